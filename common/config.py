@@ -1,0 +1,112 @@
+"""One frozen configuration, parsed and validated once at start-up.
+
+Sources, later ones winning: defaults, ``kv_connector_extra_config`` (a dict from vLLM's
+``--kv-transfer-config``), then environment variables for the few settings operators set per
+host (``KV_PUSH_SECRET``, ``KV_PUSH_SIDE_CHANNEL_HOST``, ``KV_PUSH_SIDE_CHANNEL_PORT``,
+``KV_PUSH_BACKEND``). Unknown keys and bad values raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PushConfig:
+    #: where a producer worker listens for decoders' handshakes (its tp_rank is added to the port)
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    #: memory backend: host, cuda, neuron, or "" to detect
+    backend: str = ""
+    #: NIXL backends for the agent (UCX here and on p5en; LIBFABRIC on EFA / Trainium)
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    #: heartbeats go out this often; a peer silent for 1.5 intervals is declared dead
+    heartbeat_interval_s: float = 1.0
+    #: a registration or prefill that never finds its other half is dropped after this long
+    rendezvous_ttl_s: float = 120.0
+    #: a decoder gives up waiting for a transfer's completions after this long
+    transfer_timeout_s: float = 60.0
+    #: a handshake with a peer must finish within this
+    handshake_timeout_s: float = 5.0
+    #: HMAC key for control messages; empty disables authentication
+    secret: bytes = field(default=b"", repr=False)
+    #: producer and decoder share a host (Neuron: needs FI_EFA_ENABLE_SHM_TRANSFER=0)
+    colocated: bool = False
+    #: how long the transfer thread sleeps when idle (it spins while transfers are in flight)
+    idle_poll_s: float = 0.001
+
+    @property
+    def peer_timeout_s(self) -> float:
+        return 1.5 * self.heartbeat_interval_s
+
+    def validate(self) -> "PushConfig":
+        for name in (
+            "heartbeat_interval_s", "rendezvous_ttl_s", "transfer_timeout_s",
+            "handshake_timeout_s", "idle_poll_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port {self.side_channel_port} is not a port")
+        if self.backend not in ("", "host", "cuda", "neuron"):
+            raise ConfigError(f"backend must be host, cuda or neuron, got {self.backend!r}")
+        if not self.nixl_backends or any(b not in ("UCX", "LIBFABRIC") for b in self.nixl_backends):
+            raise ConfigError(f"nixl_backends must be UCX and/or LIBFABRIC, got {self.nixl_backends}")
+        return self
+
+    @classmethod
+    def from_sources(
+        cls, extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> "PushConfig":
+        env = os.environ if env is None else env
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in (extra or {}).items():
+            if key not in fields:
+                raise ConfigError(
+                    f"unknown kv_connector_extra_config key {key!r}; known: {sorted(fields)}"
+                )
+            values[key] = _coerce(key, fields[key], raw)
+        for key, var in (
+            ("secret", "KV_PUSH_SECRET"),
+            ("side_channel_host", "KV_PUSH_SIDE_CHANNEL_HOST"),
+            ("side_channel_port", "KV_PUSH_SIDE_CHANNEL_PORT"),
+            ("backend", "KV_PUSH_BACKEND"),
+        ):
+            if env.get(var):
+                values[key] = _coerce(var, fields[key], env[var])
+        return cls(**values).validate()
+
+
+def _coerce(key: str, f: dataclasses.Field, raw: Any) -> Any:
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    try:
+        if isinstance(default, bool):
+            if isinstance(raw, str):
+                if raw.lower() in ("1", "true", "yes"):
+                    return True
+                if raw.lower() in ("0", "false", "no"):
+                    return False
+                raise ValueError(raw)
+            return bool(raw)
+        if isinstance(default, bytes):
+            return raw.encode() if isinstance(raw, str) else bytes(raw)
+        if isinstance(default, tuple):
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            return tuple(str(i).strip() for i in items if str(i).strip())
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, int):
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(raw)
+            return int(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: cannot use {raw!r} (expected {type(default).__name__})") from None

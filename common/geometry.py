@@ -1,0 +1,281 @@
+"""KV-cache geometry: where every (layer, K/V, block, token, head) of one worker's cache lives.
+
+This is the one description both sides exchange. It is pure data (a msgspec struct, so it travels
+on the wire unchanged) and knows nothing of torch or NIXL.
+
+Memory model, per worker (one TP rank):
+
+* The worker holds ``local_heads`` of the model's ``num_kv_heads`` KV heads (see ``head_range``).
+* For layer ``l``, the K part of block ``b`` starts at ``k_bases[l] + b * block_stride`` and the
+  V part at ``v_bases[l] + b * block_stride``. One block part is ``block_bytes`` long
+  (``block_size * local_heads * head_size * dtype_bytes``).
+* Inside a block part, one (token, head) vector of ``head_size`` elements is contiguous. Its index
+  is ``token * local_heads + head`` for token-major ``NHD`` and ``head * block_size + token`` for
+  head-major ``HND``.
+
+The usual vLLM placements are constructors:
+
+* ``kv_split`` -- K and V are two separate regions per layer (a ``(2, num_blocks, ...)`` tensor,
+  or two tensors as on Neuron): ``block_stride == block_bytes``.
+* ``blocks_first`` -- one region per layer in which every block holds its K then its V
+  (``(num_blocks, 2, ...)``): ``block_stride == 2 * block_bytes``, ``v_base = k_base + block_bytes``.
+
+Addresses are absolute in the owning process (they are what NIXL descriptors carry); ``dev_id``
+is the device the memory is on (0 for host DRAM).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+TokenOrder = Literal["NHD", "HND"]
+
+
+class GeometryError(ValueError):
+    """A geometry that cannot describe real memory, or two geometries that cannot be mapped."""
+
+
+class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    num_layers: int
+    num_kv_heads: int  # the model's KV heads, all ranks together
+    head_size: int
+    dtype_bytes: int
+    dtype: str  # e.g. "bfloat16"; sides must agree
+    block_size: int  # tokens per block
+    token_order: TokenOrder
+    tp_size: int
+    tp_rank: int
+    num_blocks: int
+    block_stride: int  # bytes from block b to block b+1 in every layer's K (and V) region
+    k_bases: tuple[int, ...]  # per layer, address of block 0's K part
+    v_bases: tuple[int, ...]  # per layer, address of block 0's V part
+    mem_type: str = "DRAM"  # NIXL memory type of these addresses: "DRAM" or "VRAM"
+    dev_id: int = 0
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def local_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """Global KV heads [lo, hi) this rank holds (replicated when tp_size > num_kv_heads)."""
+        return head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
+
+    @property
+    def vec_bytes(self) -> int:
+        """Bytes of one (token, head) vector."""
+        return self.head_size * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K (or V) part on this rank."""
+        return self.block_size * self.local_heads * self.vec_bytes
+
+    def validate(self) -> None:
+        """Raise GeometryError if the description cannot be real."""
+        ints = {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype_bytes": self.dtype_bytes,
+            "block_size": self.block_size,
+            "tp_size": self.tp_size,
+            "num_blocks": self.num_blocks,
+        }
+        for name, value in ints.items():
+            if value <= 0:
+                raise GeometryError(f"{name} must be positive, got {value}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise GeometryError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.token_order not in ("NHD", "HND"):
+            raise GeometryError(f"token_order must be NHD or HND, got {self.token_order!r}")
+        if self.tp_size <= self.num_kv_heads:
+            if self.num_kv_heads % self.tp_size:
+                raise GeometryError(
+                    f"{self.num_kv_heads} KV heads do not split evenly over TP {self.tp_size}"
+                )
+        elif self.tp_size % self.num_kv_heads:
+            raise GeometryError(
+                f"TP {self.tp_size} is not a multiple of {self.num_kv_heads} KV heads"
+            )
+        if len(self.k_bases) != self.num_layers or len(self.v_bases) != self.num_layers:
+            raise GeometryError(
+                f"expected {self.num_layers} K and V bases, got {len(self.k_bases)} and "
+                f"{len(self.v_bases)}"
+            )
+        if self.block_stride < self.block_bytes:
+            raise GeometryError(
+                f"block_stride {self.block_stride} is smaller than one block part "
+                f"({self.block_bytes} bytes)"
+            )
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise GeometryError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
+
+    def compatible_with(self, other: "KVGeometry") -> None:
+        """Raise GeometryError unless KV of ``self`` can be written into ``other``."""
+        for name in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes", "dtype"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                raise GeometryError(f"{name} differs: {a} here, {b} at the peer")
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, length) of the memory this geometry spans, coalesced, for registration."""
+        spans = []
+        reach = (self.num_blocks - 1) * self.block_stride + self.block_bytes
+        for base in (*self.k_bases, *self.v_bases):
+            spans.append((base, base + reach))
+        spans.sort()
+        merged: list[list[int]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        return [(lo, hi - lo) for lo, hi in merged]
+
+
+def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    if tp_size <= num_kv_heads:
+        per = num_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    replicas = tp_size // num_kv_heads
+    h = tp_rank // replicas
+    return h, h + 1
+
+
+def kv_split(
+    *,
+    layer_bases: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    num_kv_heads: int,
+    head_size: int,
+    dtype_bytes: int,
+    dtype: str,
+    block_size: int,
+    num_blocks: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    token_order: TokenOrder = "NHD",
+    mem_type: str = "DRAM",
+    dev_id: int = 0,
+) -> KVGeometry:
+    """K and V as separate regions per layer: ``layer_bases[l] == (k_base, v_base)``."""
+    local = max(1, num_kv_heads // tp_size)
+    block_bytes = block_size * local * head_size * dtype_bytes
+    return KVGeometry(
+        num_layers=len(layer_bases),
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype_bytes=dtype_bytes,
+        dtype=dtype,
+        block_size=block_size,
+        token_order=token_order,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        num_blocks=num_blocks,
+        block_stride=block_bytes,
+        k_bases=tuple(int(k) for k, _ in layer_bases),
+        v_bases=tuple(int(v) for _, v in layer_bases),
+        mem_type=mem_type,
+        dev_id=dev_id,
+    )
+
+
+def blocks_first(
+    *,
+    layer_bases: list[int] | tuple[int, ...],
+    num_kv_heads: int,
+    head_size: int,
+    dtype_bytes: int,
+    dtype: str,
+    block_size: int,
+    num_blocks: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    token_order: TokenOrder = "NHD",
+    mem_type: str = "DRAM",
+    dev_id: int = 0,
+) -> KVGeometry:
+    """One region per layer, each block holding its K then its V."""
+    local = max(1, num_kv_heads // tp_size)
+    block_bytes = block_size * local * head_size * dtype_bytes
+    return KVGeometry(
+        num_layers=len(layer_bases),
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype_bytes=dtype_bytes,
+        dtype=dtype,
+        block_size=block_size,
+        token_order=token_order,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        num_blocks=num_blocks,
+        block_stride=2 * block_bytes,
+        k_bases=tuple(int(b) for b in layer_bases),
+        v_bases=tuple(int(b) + block_bytes for b in layer_bases),
+        mem_type=mem_type,
+        dev_id=dev_id,
+    )
+
+
+def pool_bytes(
+    *, placement: str, num_layers: int, num_blocks: int, block_bytes: int
+) -> int:
+    """Bytes a contiguous pool needs for ``placement`` ("kv_split" or "blocks_first")."""
+    if placement not in ("kv_split", "blocks_first"):
+        raise GeometryError(f"unknown placement {placement!r}")
+    return num_layers * 2 * num_blocks * block_bytes
+
+
+def pooled(
+    *,
+    base: int,
+    placement: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype_bytes: int,
+    dtype: str,
+    block_size: int,
+    num_blocks: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    token_order: TokenOrder = "NHD",
+    mem_type: str = "DRAM",
+    dev_id: int = 0,
+) -> KVGeometry:
+    """A geometry for one contiguous pool at ``base`` laid out layer after layer.
+
+    Used by the host backend, the demo, the tests and the benchmarks, where we own the memory.
+    """
+    local = max(1, num_kv_heads // tp_size)
+    block_bytes = block_size * local * head_size * dtype_bytes
+    layer_bytes = 2 * num_blocks * block_bytes
+    common = dict(
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        dtype_bytes=dtype_bytes,
+        dtype=dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        token_order=token_order,
+        mem_type=mem_type,
+        dev_id=dev_id,
+    )
+    if placement == "kv_split":
+        return kv_split(
+            layer_bases=[
+                (base + l * layer_bytes, base + l * layer_bytes + num_blocks * block_bytes)
+                for l in range(num_layers)
+            ],
+            **common,
+        )
+    if placement == "blocks_first":
+        return blocks_first(
+            layer_bases=[base + l * layer_bytes for l in range(num_layers)], **common
+        )
+    raise GeometryError(f"unknown placement {placement!r}")

@@ -1,0 +1,227 @@
+"""Wire messages between producer (P) and decoder (D) workers.
+
+Every control message travels as a NIXL notification (the completion notice rides the WRITE it
+completes); the handshake travels over the side channel. All are msgspec structs in one tagged
+union, framed by ``Envelope`` which carries the protocol version and, when a shared secret is
+configured, an HMAC-SHA256 of the body.
+
+Decoding never raises anything but ``MessageRejected``: bad bytes, a wrong version, a missing or
+wrong MAC and an unknown tag all become a typed rejection with a ``reason`` label that metrics
+count.
+
+Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` changes with them):
+  1 -- Hello/Welcome/Refused handshake, Register, WriteDone, Cancel, CancelAck, TransferFailed,
+       Heartbeat, Goodbye.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Union
+
+import msgspec
+
+from .geometry import KVGeometry
+
+PROTOCOL_VERSION = 1
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
+    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    geometry: KVGeometry
+    compat_hash: str
+
+
+class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
+    """P worker -> D worker (side channel reply)."""
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    geometry: KVGeometry
+    compat_hash: str
+    side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
+
+
+class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
+    """P worker -> D worker (side channel reply): the handshake is refused, and why."""
+
+    reason: str
+
+
+class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
+    """D -> P: write the prompt's KV for ``transfer_id`` into these blocks of mine.
+
+    ``block_ids[j]`` holds tokens ``first_token + j * block_size`` onward (D's block size);
+    tokens below ``first_token`` D already has (its own prefix cache). ``geometry_digest`` names
+    the geometry D sent in its Hello, so a registration can never be mapped with a stale layout.
+    """
+
+    transfer_id: str
+    attempt: int
+    engine_id: str
+    tp_rank: int
+    block_ids: tuple[int, ...]
+    first_token: int
+    num_tokens: int
+    geometry_digest: str
+
+
+class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
+    """P -> D, carried by the last WRITE of a transfer: all of my regions for you are written."""
+
+    transfer_id: str
+    attempt: int
+    engine_id: str
+    tp_rank: int
+    num_bytes: int
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
+    """D -> P: do not write into this registration's blocks (D aborted or no longer needs them)."""
+
+    transfer_id: str
+    attempt: int
+    engine_id: str
+    tp_rank: int
+    reason: str
+
+
+class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True, kw_only=True):
+    """P -> D: no WRITE into that registration is in flight or will ever be issued."""
+
+    transfer_id: str
+    attempt: int
+    engine_id: str
+    tp_rank: int
+
+
+class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
+    """P -> D: the transfer cannot complete (WRITE not posted or failed, bad registration)."""
+
+    transfer_id: str
+    attempt: int
+    engine_id: str
+    tp_rank: int
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):
+    engine_id: str
+    tp_rank: int
+    seq: int
+
+
+class Goodbye(msgspec.Struct, tag="bye", frozen=True, kw_only=True):
+    """Either side, on orderly close: forget me now rather than at the liveness timeout."""
+
+    engine_id: str
+    tp_rank: int
+
+
+Message = Union[
+    Hello, Welcome, Refused, Register, WriteDone, Cancel, CancelAck, TransferFailed, Heartbeat, Goodbye
+]
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    body: bytes
+    mac: bytes = b""
+
+
+class MessageRejected(ValueError):
+    """A message that must not be acted on. ``reason`` is a short label for metrics."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def _compat_hash() -> str:
+    parts = [str(PROTOCOL_VERSION)]
+    for cls in (KVGeometry, *Message.__args__):  # type: ignore[attr-defined]
+        info = msgspec.inspect.type_info(cls)
+        fields = ",".join(f"{f.name}:{f.type!r}" for f in info.fields)
+        parts.append(f"{cls.__name__}[{getattr(info, 'tag', '')}]({fields})")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+COMPAT_HASH = _compat_hash()
+
+_body_encoder = msgspec.msgpack.Encoder()
+_body_decoder = msgspec.msgpack.Decoder(Message)
+_env_decoder = msgspec.msgpack.Decoder(Envelope)
+
+MAX_MESSAGE_BYTES = 1 << 20
+
+
+class Codec:
+    """Encodes and decodes framed messages; with ``secret`` every frame is authenticated."""
+
+    def __init__(self, secret: bytes | None = None):
+        self._secret = secret or None
+
+    @property
+    def authenticated(self) -> bool:
+        return self._secret is not None
+
+    def _mac(self, body: bytes) -> bytes:
+        assert self._secret is not None
+        return hmac.new(self._secret, body, hashlib.sha256).digest()
+
+    def encode(self, msg: Message) -> bytes:
+        body = _body_encoder.encode(msg)
+        mac = self._mac(body) if self._secret else b""
+        return _body_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac))
+
+    def decode(self, data: bytes) -> Message:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MessageRejected("malformed", f"not bytes: {type(data).__name__}")
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise MessageRejected("oversize", f"{len(data)} bytes")
+        try:
+            env = _env_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MessageRejected("malformed", str(e)) from None
+        if env.version != PROTOCOL_VERSION:
+            raise MessageRejected(
+                "version", f"peer speaks protocol {env.version}, we speak {PROTOCOL_VERSION}"
+            )
+        if self._secret is not None:
+            if not env.mac:
+                raise MessageRejected("unauthenticated", "message carries no MAC")
+            if not hmac.compare_digest(env.mac, self._mac(env.body)):
+                raise MessageRejected("bad_mac", "MAC does not match")
+        try:
+            msg = _body_decoder.decode(env.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise MessageRejected("malformed", str(e)) from None
+        _check_sane(msg)
+        return msg
+
+
+def _check_sane(msg: Message) -> None:
+    """Semantic checks that types alone cannot express."""
+    if isinstance(msg, Register):
+        if msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token:
+            raise MessageRejected("invalid", f"registration token range {msg!r}")
+        if any(b < 0 for b in msg.block_ids):
+            raise MessageRejected("invalid", "negative block id")
+        if not msg.transfer_id:
+            raise MessageRejected("invalid", "empty transfer id")
+    elif isinstance(msg, (Hello, Welcome)):
+        try:
+            msg.geometry.validate()
+        except ValueError as e:
+            raise MessageRejected("invalid", f"geometry: {e}") from None
+
+
+def geometry_digest(geometry: KVGeometry) -> str:
+    return hashlib.sha256(_body_encoder.encode(geometry)).hexdigest()[:16]

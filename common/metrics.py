@@ -1,0 +1,77 @@
+"""Counters the transfer thread keeps, readable from any thread.
+
+Workers run in vLLM's worker processes, so their figures leave through vLLM's connector-stats
+path (``snapshot(reset=True)`` per step) and are turned into Prometheus metrics on the API
+server; standalone users (demo, benchmarks, tests) read ``snapshot()`` directly or call
+``export_prometheus``. Names are stable: they are documented in the README.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+
+logger = logging.getLogger("kv_push")
+
+# name -> help text; every counter the core increments is listed here.
+COUNTERS = {
+    "bytes_written": "KV bytes written by this producer",
+    "writes_posted": "NIXL WRITE requests posted",
+    "regions_written": "descriptor regions in posted WRITEs",
+    "transfers_done": "transfers completed (producer: writes done; decoder: all ranks arrived)",
+    "transfers_failed": "transfers that failed",
+    "transfer_seconds": "sum of seconds from pairing to WRITE done (producer) / registration to last completion (decoder)",
+    "queue_wait_seconds": "sum of seconds work waited in the transfer thread's inbox",
+    "registrations_early": "registrations that arrived before the prefill finished",
+    "registrations_late": "registrations that arrived after the prefill finished",
+    "registrations_sent": "registrations sent by this decoder",
+    "cancels": "cancels sent (decoder) or honoured (producer)",
+    "expired": "rendezvous entries or transfers dropped after their time-out",
+    "stale": "events for a superseded attempt, dropped",
+    "rejected": "messages rejected (malformed, unauthenticated, unknown peer, bad layout)",
+    "peers_dead": "peers declared dead (silent too long)",
+    "handshakes": "handshakes completed",
+    "handshake_failures": "handshakes that failed or timed out",
+    "head_sliced_plans": "plans that had to cut head slices out of token-major blocks",
+}
+
+
+class Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = defaultdict(float)
+        self._labelled: dict[tuple[str, str], float] = defaultdict(float)
+        self._logged_once: set[tuple[str, str]] = set()
+
+    def inc(self, name: str, amount: float = 1.0, label: str | None = None) -> None:
+        if name not in COUNTERS:
+            raise KeyError(f"undeclared counter {name}")
+        with self._lock:
+            self._values[name] += amount
+            if label is not None:
+                self._labelled[(name, label)] += amount
+
+    def reject(self, reason: str, detail: str, context: str = "") -> None:
+        """Count a rejected message and log it once per (reason, context)."""
+        self.inc("rejected", label=reason)
+        key = (reason, context)
+        if key not in self._logged_once:
+            self._logged_once.add(key)
+            logger.warning("kv_push: rejected message (%s) %s%s", reason, detail,
+                           f" [{context}]" if context else "")
+
+    def get(self, name: str, label: str | None = None) -> float:
+        with self._lock:
+            if label is None:
+                return self._values.get(name, 0.0)
+            return self._labelled.get((name, label), 0.0)
+
+    def snapshot(self, reset: bool = False) -> dict[str, float]:
+        with self._lock:
+            out = dict(self._values)
+            out.update({f"{n}{{{l}}}": v for (n, l), v in self._labelled.items()})
+            if reset:
+                self._values.clear()
+                self._labelled.clear()
+        return out

@@ -1,0 +1,343 @@
+"""Producer (prefill) role of the transfer thread: registrations meet prefills, WRITEs go out.
+
+Runs only on the transfer thread. The engine hands it finished prefills with ``prefill_done``
+(through ``TransferThread.submit``); decoders' ``Register`` and ``Cancel`` arrive as
+notifications. When a registration and its prefill meet (``Rendezvous``) the producer maps the
+blocks (``plan_writes``) and posts one WRITE per decoder rank, carrying the ``WriteDone`` notice.
+
+Source blocks (the prefill's blocks on this worker) are released -- reported through
+``on_released(key)`` so the engine frees them -- once every decoder rank this worker writes to
+is resolved (written, failed, cancelled, or its decoder is dead) and nothing reads them, or when
+no registration came within the rendezvous time-out.
+
+Safety rules:
+* a ``Cancel`` is acknowledged only when no WRITE for that registration is in flight (an
+  in-flight one is acknowledged when NIXL reports it finished), so the decoder can keep the
+  blocks fenced until then;
+* a WRITE that cannot be posted or fails is reported to the decoder at once (``TransferFailed``);
+* a registration for a transfer this worker already released is answered with
+  ``TransferFailed`` at once, not left to the decoder's time-out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .geometry import GeometryError
+from .layout import plan_writes, target_ranks
+from .messages import (
+    COMPAT_HASH,
+    Cancel,
+    CancelAck,
+    Hello,
+    MessageRejected,
+    Register,
+    TransferFailed,
+    Welcome,
+    WriteDone,
+    geometry_digest,
+)
+from .rendezvous import Pairing, Registration, Rendezvous, Source, StaleEvent
+from .transfer_thread import Peer, TransferThread
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    pairing: Pairing
+    peer: str
+    handle: object
+    started: float
+    num_bytes: int
+    ack_cancel: bool = False
+
+
+@dataclass
+class _Transfer:
+    """What this worker owes one transfer id."""
+
+    targets: set[int] | None = None  # decoder ranks this worker writes to (known at 1st reg.)
+    resolved: set[int] = field(default_factory=set)
+    decoder_engine: str | None = None
+
+
+class Producer:
+    handles = (Register, Cancel)
+
+    def __init__(self, thread: TransferThread, *, on_released: Callable[[str], None],
+                 side_channel_ports: tuple[int, ...] = ()):
+        self.t = thread
+        self.on_released = on_released
+        self.side_channel_ports = side_channel_ports
+        self.rdv = Rendezvous(thread.config.rendezvous_ttl_s, clock=thread.clock)
+        self.transfers: dict[str, _Transfer] = {}
+        self.sources: dict[str, Source] = {}  # key -> source not yet released
+        self.jobs: dict[tuple[str, int, int], _Job] = {}  # (tid, d_rank, attempt)
+        self.tombstones: dict[str, float] = {}  # released transfer ids -> when
+        self.digest = geometry_digest(thread.geometry)
+
+    # -- handshake (called on this thread by the side channel through TransferThread.call) ---
+    def accept_hello(self, hello: Hello) -> Welcome:
+        if hello.compat_hash != COMPAT_HASH:
+            raise MessageRejected(
+                "incompatible", f"decoder {hello.engine_id} speaks {hello.compat_hash}, "
+                f"we speak {COMPAT_HASH}: install the same kv-push version on P and D")
+        try:
+            self.t.geometry.compatible_with(hello.geometry)
+        except GeometryError as e:
+            raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
+        self.t.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
+                        tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
+                        digest=geometry_digest(hello.geometry))
+        self.t.counters.inc("handshakes")
+        return Welcome(engine_id=self.t.engine_id, agent_name=self.t.transport.agent_name,
+                       agent_metadata=self.t.transport.metadata(), geometry=self.t.geometry,
+                       compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports)
+
+    # -- engine events -------------------------------------------------------------------------
+    def prefill_done(self, key: str, transfer_id: str, block_ids: tuple[int, ...],
+                     num_tokens: int) -> None:
+        if transfer_id in self.tombstones:
+            # a re-issued prefill for a transfer already served: nothing will read it
+            self.t.counters.inc("stale", label="prefill_after_release")
+            self.on_released(key)
+            return
+        source = Source(key, transfer_id, tuple(block_ids), num_tokens)
+        try:
+            pairings, displaced = self.rdv.add_source(source)
+        except StaleEvent as e:
+            self.t.counters.reject("stale", str(e), context="prefill")
+            return
+        self.sources[key] = source
+        if displaced is not None:
+            self.t.counters.inc("stale", label="prefill_superseded")
+            self._maybe_release_source(displaced)
+        for pairing in pairings:
+            self._start(pairing)
+        self._maybe_finish(transfer_id)
+
+    # -- messages ------------------------------------------------------------------------------
+    def on_message(self, peer: Peer, msg) -> None:
+        if isinstance(msg, Register):
+            self._on_register(peer, msg)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(peer, msg)
+
+    def _on_register(self, peer: Peer, msg: Register) -> None:
+        if msg.engine_id != peer.engine_id or msg.tp_rank != peer.tp_rank:
+            raise MessageRejected("spoofed", f"registration names {msg.engine_id}/{msg.tp_rank} "
+                                  f"but came from {peer.engine_id}/{peer.tp_rank}")
+        if msg.geometry_digest != peer.geometry_digest:
+            self._fail(peer.agent_name, msg.transfer_id, msg.attempt, "layout changed since "
+                       "handshake; reconnect")
+            raise MessageRejected("bad_layout", f"stale geometry digest from {peer.engine_id}")
+        if msg.transfer_id in self.tombstones:
+            self._fail(peer.agent_name, msg.transfer_id, msg.attempt,
+                       "the producer already released this transfer")
+            self.t.counters.inc("stale", label="registration_after_release")
+            return
+        reg = Registration(msg.transfer_id, msg.attempt, peer.agent_name, msg.engine_id,
+                           msg.tp_rank, tuple(msg.block_ids), msg.first_token, msg.num_tokens)
+        tr = self.transfers.setdefault(msg.transfer_id, _Transfer())
+        if tr.decoder_engine not in (None, msg.engine_id):
+            raise MessageRejected("conflict", f"{msg.transfer_id} registered by "
+                                  f"{tr.decoder_engine} and {msg.engine_id}")
+        tr.decoder_engine = msg.engine_id
+        if tr.targets is None:
+            g = self.t.geometry
+            tr.targets = set(target_ranks(g.num_kv_heads, g.tp_size, g.tp_rank,
+                                          peer.geometry.tp_size))
+        try:
+            pairing, superseded = self.rdv.add_registration(reg)
+        except StaleEvent as e:
+            self.t.counters.reject("stale", str(e), context="registration")
+            return
+        if superseded is not None:
+            self.t.counters.inc("stale", label="registration_superseded")
+        tr.resolved.discard(msg.tp_rank)
+        if pairing is None:
+            self.t.counters.inc("registrations_early")
+        else:
+            self.t.counters.inc("registrations_late")
+            self._start(pairing)
+        self._maybe_finish(msg.transfer_id)
+
+    def _on_cancel(self, peer: Peer, msg: Cancel) -> None:
+        if msg.engine_id != peer.engine_id or msg.tp_rank != peer.tp_rank:
+            raise MessageRejected("spoofed", f"cancel names {msg.engine_id}/{msg.tp_rank} "
+                                  f"but came from {peer.engine_id}/{peer.tp_rank}")
+        self.t.counters.inc("cancels")
+        try:
+            current = self.rdv.cancel(msg.transfer_id, msg.tp_rank, msg.attempt)
+        except StaleEvent:
+            current = None  # an older attempt: its job (if any) is still acked below
+        tr = self.transfers.get(msg.transfer_id)
+        if current is not None and tr is not None:
+            tr.resolved.add(msg.tp_rank)
+        job = self.jobs.get((msg.transfer_id, msg.tp_rank, msg.attempt))
+        if job is not None:
+            job.ack_cancel = True  # acknowledged when NIXL says the WRITE is finished
+        else:
+            self._ack(peer.agent_name, msg.transfer_id, msg.tp_rank, msg.attempt)
+        self._maybe_finish(msg.transfer_id)
+
+    def _ack(self, peer: str, tid: str, d_rank: int, attempt: int) -> None:
+        self.t.send(peer, CancelAck(transfer_id=tid, attempt=attempt,
+                                    engine_id=self.t.engine_id, tp_rank=self.t.tp_rank))
+
+    def _fail(self, peer: str, tid: str, attempt: int, reason: str) -> None:
+        self.t.counters.inc("transfers_failed")
+        logger.warning("kv_push: transfer %s attempt %d to %s failed: %s", tid, attempt, peer,
+                       reason)
+        self.t.send(peer, TransferFailed(transfer_id=tid, attempt=attempt,
+                                         engine_id=self.t.engine_id, tp_rank=self.t.tp_rank,
+                                         reason=reason))
+
+    # -- transfers -----------------------------------------------------------------------------
+    def _start(self, pairing: Pairing) -> None:
+        src, reg = pairing.source, pairing.registration
+        peer = self.t.peers.get(reg.peer)
+        tr = self.transfers.setdefault(src.transfer_id, _Transfer())
+        if peer is None:
+            tr.resolved.add(reg.tp_rank)
+            return
+        if reg.num_tokens > src.num_tokens:
+            self._fail(reg.peer, reg.transfer_id, reg.attempt,
+                       f"decoder wants {reg.num_tokens} tokens, prefill has {src.num_tokens}")
+            tr.resolved.add(reg.tp_rank)
+            return
+        try:
+            plan = plan_writes(self.t.geometry, src.block_ids, peer.geometry, reg.block_ids,
+                               first_token=reg.first_token, num_tokens=reg.num_tokens)
+        except GeometryError as e:
+            self.t.counters.reject("bad_layout", str(e), context=f"plan for {reg.transfer_id}")
+            self._fail(reg.peer, reg.transfer_id, reg.attempt, f"cannot map blocks: {e}")
+            tr.resolved.add(reg.tp_rank)
+            return
+        if plan.num_regions == 0:
+            tr.resolved.add(reg.tp_rank)  # not a writer for that rank, or nothing left to write
+            return
+        if plan.head_sliced:
+            self.t.counters.inc("head_sliced_plans")
+        notif = self.t.codec.encode(WriteDone(
+            transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.t.engine_id,
+            tp_rank=self.t.tp_rank, num_bytes=plan.total_bytes))
+        g = self.t.geometry
+        handle = self.t.transport.write(
+            reg.peer, plan.descs("src", g.dev_id), plan.descs("dst", peer.geometry.dev_id),
+            g.mem_type, peer.geometry.mem_type, notif)
+        self.t.counters.inc("writes_posted")
+        self.t.counters.inc("regions_written", plan.num_regions)
+        self.jobs[(reg.transfer_id, reg.tp_rank, reg.attempt)] = _Job(
+            pairing, reg.peer, handle, self.t.clock(), plan.total_bytes)
+        self._poll_job((reg.transfer_id, reg.tp_rank, reg.attempt))
+
+    def _poll_job(self, jkey: tuple[str, int, int]) -> None:
+        job = self.jobs[jkey]
+        state = self.t.transport.poll(job.handle)
+        if state == "PROC":
+            return
+        del self.jobs[jkey]
+        tid, d_rank, attempt = jkey
+        reg = job.pairing.registration
+        if state == "DONE":
+            self.t.counters.inc("transfers_done")
+            self.t.counters.inc("bytes_written", job.num_bytes)
+            self.t.counters.inc("transfer_seconds", self.t.clock() - job.started)
+        else:
+            reason = getattr(self.t.transport, "failure_reason", lambda h: "WRITE failed")(
+                job.handle)
+            self._fail(job.peer, tid, attempt, reason)
+        self.t.transport.release(job.handle)
+        if job.ack_cancel and job.peer in self.t.peers:
+            self._ack(job.peer, tid, d_rank, attempt)
+        tr = self.transfers.get(tid)
+        current = {r.tp_rank: r for r in self.rdv.registrations(tid)}.get(d_rank)
+        if tr is not None and (current is None or current.attempt == reg.attempt):
+            tr.resolved.add(d_rank)
+        self._maybe_release_source(job.pairing.source)
+        self._maybe_finish(tid)
+
+    def _source_in_use(self, source: Source) -> bool:
+        return any(j.pairing.source.key == source.key for j in self.jobs.values())
+
+    def _maybe_release_source(self, source: Source) -> None:
+        if source.key not in self.sources or self._source_in_use(source):
+            return
+        if self.rdv.source(source.transfer_id) is source and source.transfer_id in self.rdv:
+            return  # still the live source of its transfer
+        del self.sources[source.key]
+        self.on_released(source.key)
+
+    def _maybe_finish(self, tid: str) -> None:
+        tr = self.transfers.get(tid)
+        src = self.rdv.source(tid)
+        if tr is None or src is None or tr.targets is None:
+            return
+        if not tr.targets <= tr.resolved:
+            return
+        if any(k[0] == tid for k in self.jobs):
+            return
+        self._retire(tid)
+
+    def _retire(self, tid: str) -> None:
+        src = self.rdv.source(tid)
+        self.rdv.drop(tid)
+        self.transfers.pop(tid, None)
+        self.tombstones[tid] = self.t.clock()
+        if src is not None:
+            self._maybe_release_source(src)
+
+    # -- role hooks ----------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for jkey in list(self.jobs):
+            if jkey in self.jobs:
+                self._poll_job(jkey)
+        for tid, source, regs in self.rdv.expire():
+            self.t.counters.inc("expired")
+            logger.warning("kv_push: transfer %s expired unpaired (prefill %s, %d registration(s))",
+                           tid, "done" if source else "missing", len(regs))
+            for reg in regs:
+                self._fail(reg.peer, tid, reg.attempt, "no prefill arrived in time")
+            self.transfers.pop(tid, None)
+            self.tombstones[tid] = now
+            if source is not None:
+                self._maybe_release_source(source)
+        ttl = self.t.config.rendezvous_ttl_s
+        for tid, when in list(self.tombstones.items()):
+            if now - when > ttl:
+                del self.tombstones[tid]
+
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def on_peer_dead(self, peer: Peer) -> None:
+        for reg in self.rdv.drop_peer(peer.agent_name):
+            tr = self.transfers.get(reg.transfer_id)
+            if tr is not None:
+                tr.resolved.add(reg.tp_rank)
+        for jkey, job in list(self.jobs.items()):
+            if job.peer == peer.agent_name:
+                # its memory is gone with it; stop tracking and let the source go
+                del self.jobs[jkey]
+                self.t.transport.release(job.handle)
+                tr = self.transfers.get(jkey[0])
+                if tr is not None:
+                    tr.resolved.add(jkey[1])
+                self._maybe_release_source(job.pairing.source)
+        for tid in list(self.transfers):
+            self._maybe_finish(tid)
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            self.t.transport.release(job.handle)
+        self.jobs.clear()
+
+    # -- introspection for tests and metrics ----------------------------------------------------
+    def live(self) -> dict[str, int]:
+        return {"sources": len(self.sources), "jobs": len(self.jobs),
+                "rendezvous": len(self.rdv), "transfers": len(self.transfers)}

@@ -1,0 +1,262 @@
+"""The transfer thread: one background thread per worker that owns the NIXL agent.
+
+Everything that touches the agent runs here; everything else only hands work in. The loop:
+
+1. run the callables waiting in the inbox (``submit`` / ``call`` put them there and set the
+   wake event);
+2. drain NIXL notifications, decode each (a rejection is counted and logged once, never
+   raised), note the sender as alive, and route the message to the roles that handle its type;
+3. let each role ``tick`` (poll in-flight WRITEs, time-outs) and keep liveness: heartbeats go to
+   every peer each ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s`` is declared
+   dead, told goodbye, removed from the agent, and each role is told;
+4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
+   progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
+
+``close()`` stops the loop, says goodbye to every peer, closes the roles and the transport, and
+joins the thread. Exceptions from a role's handler are logged with context and counted; they do
+not kill the thread (the engine would hang without it), but they do fail the work concerned,
+which the role handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .config import PushConfig
+from .geometry import KVGeometry
+from .messages import Codec, Goodbye, Heartbeat, Message, MessageRejected
+from .metrics import Counters
+from .transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    agent_name: str
+    engine_id: str
+    tp_rank: int
+    geometry: KVGeometry
+    geometry_digest: str
+    last_heard: float
+    address: tuple[str, int] | None = None  # a producer's side channel, as the decoder dialled it
+
+
+class Role(Protocol):
+    handles: tuple[type, ...]
+
+    def on_message(self, peer: Peer, msg: Message) -> None: ...
+
+    def tick(self, now: float) -> None: ...
+
+    def busy(self) -> bool: ...
+
+    def on_peer_dead(self, peer: Peer) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TransferThread:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        geometry: KVGeometry,
+        config: PushConfig,
+        counters: Counters | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "kv-push-transfer",
+    ):
+        self.transport = transport
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self.geometry = geometry
+        self.config = config
+        self.codec = Codec(config.secret or None)
+        self.counters = counters or Counters()
+        self.clock = clock
+        self.peers: dict[str, Peer] = {}
+        self.roles: list[Role] = []
+        self._inbox: queue.SimpleQueue[tuple[float, Callable[[], Any], Future | None]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._hb_seq = 0
+        self._next_hb = 0.0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+
+    # -- engine-facing: hand work in ---------------------------------------------------------
+    def add_role(self, role: Role) -> None:
+        self.roles.append(role)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the transfer thread, soon. Never blocks."""
+        self._inbox.put((time.monotonic(), fn, None))
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run ``fn`` on the transfer thread and wait for its result (not for the engine loop)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future = Future()
+        self._inbox.put((time.monotonic(), fn, fut))
+        self._wake.set()
+        return fut.result(timeout=timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("kv_push: transfer thread did not stop within %.1fs", timeout)
+        else:
+            self._shutdown()
+
+    # -- helpers for roles (run on this thread) ----------------------------------------------
+    def send(self, peer: str, msg: Message) -> bool:
+        return self.transport.send_notif(peer, self.codec.encode(msg))
+
+    def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
+                 digest: str, address: tuple[str, int] | None = None) -> Peer:
+        """Load a peer's agent metadata (once) and start tracking its liveness."""
+        name = self.transport.add_peer(metadata)
+        old = self.peers.get(name)
+        if old is not None and old.geometry_digest != digest:
+            raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
+        peer = Peer(name, engine_id, tp_rank, geometry, digest, self.clock(), address)
+        self.peers[name] = peer
+        return peer
+
+    def drop_peer(self, peer: Peer, reason: str) -> None:
+        if self.peers.pop(peer.agent_name, None) is None:
+            return
+        logger.warning("kv_push: dropping peer %s (engine %s rank %d): %s",
+                       peer.agent_name, peer.engine_id, peer.tp_rank, reason)
+        for role in self.roles:
+            self._guard(role.on_peer_dead, peer, context=f"peer {peer.agent_name} dead")
+        self.transport.remove_peer(peer.agent_name)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+                if any(role.busy() for role in self.roles):
+                    time.sleep(0)  # in flight: keep NIXL progressing, but let others run
+                    continue
+                self._wake.wait(self.config.idle_poll_s)
+                self._wake.clear()
+        finally:
+            self._shutdown()
+
+    def _step(self) -> None:
+        while True:
+            try:
+                queued_at, fn, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self.counters.inc("queue_wait_seconds", time.monotonic() - queued_at)
+            if fut is not None:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # handed back to the caller
+                        fut.set_exception(e)
+            else:
+                self._guard(fn, context="submitted work")
+        for sender, data in self.transport.get_notifs():
+            self._dispatch(sender, data)
+        now = self.clock()
+        for role in self.roles:
+            self._guard(role.tick, now, context="tick")
+        self._liveness(now)
+
+    def _dispatch(self, sender: str, data: bytes) -> None:
+        try:
+            msg = self.codec.decode(data)
+        except MessageRejected as e:
+            self.counters.reject(e.reason, e.detail, context=f"from {sender}")
+            return
+        peer = self.peers.get(sender)
+        if peer is None:
+            self.counters.reject("unknown_peer", f"{type(msg).__name__} from agent {sender}",
+                                 context=sender)
+            return
+        peer.last_heard = self.clock()
+        if isinstance(msg, Heartbeat):
+            return
+        if isinstance(msg, Goodbye):
+            self.drop_peer(peer, "said goodbye")
+            return
+        handled = False
+        for role in self.roles:
+            if isinstance(msg, role.handles):
+                handled = True
+                self._guard(role.on_message, peer, msg,
+                            context=f"{type(msg).__name__} from {peer.engine_id}")
+        if not handled:
+            self.counters.reject("unexpected", f"{type(msg).__name__} not handled by this worker",
+                                 context=sender)
+
+    def _liveness(self, now: float) -> None:
+        if now >= self._next_hb:
+            self._next_hb = now + self.config.heartbeat_interval_s
+            self._hb_seq += 1
+            hb = Heartbeat(engine_id=self.engine_id, tp_rank=self.tp_rank, seq=self._hb_seq)
+            for name in list(self.peers):
+                self.send(name, hb)
+        timeout = self.config.peer_timeout_s
+        for peer in list(self.peers.values()):
+            if now - peer.last_heard > timeout:
+                self.counters.inc("peers_dead")
+                self.drop_peer(peer, f"silent for {now - peer.last_heard:.2f}s")
+
+    def _guard(self, fn: Callable, *args: Any, context: str) -> None:
+        try:
+            fn(*args)
+        except MessageRejected as e:
+            self.counters.reject(e.reason, e.detail, context=context)
+        except Exception:
+            logger.exception("kv_push: error in transfer thread (%s)", context)
+            self.counters.inc("rejected", label="internal_error")
+
+    def _shutdown(self) -> None:
+        bye = Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank)
+        for name in list(self.peers):
+            self.send(name, bye)
+        # let the goodbyes leave: notifications only go out while the agent is polled
+        deadline = time.monotonic() + 0.05
+        while self.peers and time.monotonic() < deadline:
+            self.transport.get_notifs()
+        for role in self.roles:
+            self._guard(role.close, context="close")
+        self.transport.close()
+        # wake anyone still waiting on a call()
+        while True:
+            try:
+                _, _, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError("kv_push transfer thread closed"))

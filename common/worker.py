@@ -1,0 +1,156 @@
+"""``PushWorker``: what one vLLM worker (one TP rank) runs -- the engine-facing API.
+
+It wires the pieces together: the backend's checks, a NIXL transport with the KV memory
+registered, the transfer thread with the producer and/or decoder role, and (producer) the
+handshake side channel. Every engine-facing method only enqueues work for the transfer thread
+and returns at once; results come back through thread-safe queues the engine drains:
+
+* producer: ``prefill_done(...)``; ``released`` yields request keys whose blocks may be freed;
+* decoder: ``expect(...)``, ``cancel(key)``; ``outcomes`` yields ``Outcome`` records.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import uuid
+from typing import Callable
+
+from .backend import HostBackend, KVBackend
+from .config import PushConfig
+from .consumer import Consumer, Outcome
+from .geometry import KVGeometry
+from .metrics import Counters
+from .producer import Producer
+from .side_channel import SideChannelServer
+from .transfer_thread import TransferThread
+from .transport import NixlTransport, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class PushWorker:
+    def __init__(
+        self,
+        *,
+        geometry: KVGeometry,
+        role: str,
+        config: PushConfig | None = None,
+        engine_id: str | None = None,
+        backend: KVBackend | None = None,
+        transport_factory: Callable[[], Transport] | None = None,
+        counters: Counters | None = None,
+    ):
+        if role not in ("producer", "consumer", "both"):
+            raise ValueError(f"role must be producer, consumer or both, got {role!r}")
+        geometry.validate()
+        self.config = config or PushConfig()
+        self.backend = backend or HostBackend()
+        self.engine_id = engine_id or uuid.uuid4().hex
+        self.geometry = geometry
+        self.role = role
+        self.counters = counters or Counters()
+        self.backend.prepare()
+        if transport_factory is None:
+            backends = self.config.nixl_backends
+            transport_factory = lambda: NixlTransport(  # noqa: E731
+                name=f"kvpush-{self.engine_id[:12]}-r{geometry.tp_rank}", backends=backends)
+        transport = transport_factory()
+        transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
+        self.backend.verify_registration(geometry)
+        self.thread = TransferThread(transport, engine_id=self.engine_id,
+                                     tp_rank=geometry.tp_rank, geometry=geometry,
+                                     config=self.config, counters=self.counters)
+        self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.side_channel: SideChannelServer | None = None
+        if role in ("producer", "both"):
+            base = self.config.side_channel_port
+            ports = tuple(base + r for r in range(geometry.tp_size))
+            self.producer = Producer(self.thread, on_released=self.released.put,
+                                     side_channel_ports=ports)
+            self.thread.add_role(self.producer)
+            self.side_channel = SideChannelServer(
+                self.config.side_channel_host, base + geometry.tp_rank, self.thread.codec,
+                on_hello=lambda hello: self.thread.call(
+                    lambda: self.producer.accept_hello(hello), self.config.handshake_timeout_s),
+                on_reject=lambda reason, detail: self.counters.reject(reason, detail,
+                                                                      context="side channel"),
+                timeout=self.config.handshake_timeout_s,
+            )
+            if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
+                self.producer.side_channel_ports = (self.side_channel.port,)
+        if role in ("consumer", "both"):
+            self.consumer = Consumer(self.thread)
+            self.thread.add_role(self.consumer)
+        self._started = False
+
+    @property
+    def side_channel_address(self) -> tuple[str, int]:
+        if self.side_channel is None:
+            raise RuntimeError("only producers listen for handshakes")
+        return self.side_channel.host, self.side_channel.port
+
+    def start(self) -> "PushWorker":
+        self.thread.start()
+        if self.side_channel is not None:
+            self.side_channel.start()
+        self._started = True
+        return self
+
+    # -- producer --------------------------------------------------------------------------------
+    def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int) -> None:
+        producer = self._need(self.producer, "prefill_done")
+        ids = tuple(int(b) for b in block_ids)
+        self.thread.submit(lambda: producer.prefill_done(key, transfer_id, ids, num_tokens))
+
+    def drain_released(self) -> list[str]:
+        return _drain(self.released)
+
+    # -- decoder ---------------------------------------------------------------------------------
+    def expect(self, key: str, transfer_id: str, attempt: int, address: tuple[str, int],
+               block_ids, first_token: int, num_tokens: int) -> None:
+        consumer = self._need(self.consumer, "expect")
+        ids = tuple(int(b) for b in block_ids)
+        self.thread.submit(lambda: consumer.expect(key, transfer_id, attempt, address, ids,
+                                                   first_token, num_tokens))
+
+    def cancel(self, key: str, reason: str = "aborted") -> None:
+        consumer = self._need(self.consumer, "cancel")
+        self.thread.submit(lambda: consumer.cancel(key, reason))
+
+    def drain_outcomes(self) -> list[Outcome]:
+        consumer = self._need(self.consumer, "drain_outcomes")
+        return _drain(consumer.outcomes)
+
+    # -- both --------------------------------------------------------------------------------------
+    def live(self, timeout: float = 5.0) -> dict[str, int]:
+        """Live state counts (sources, jobs, wants, peers...), read on the transfer thread."""
+        def read() -> dict[str, int]:
+            out = {"peers": len(self.thread.peers)}
+            for role in (self.producer, self.consumer):
+                if role is not None:
+                    out.update(role.live())
+            return out
+        return self.thread.call(read, timeout) if self.thread.alive else read()
+
+    def close(self) -> None:
+        if self.side_channel is not None:
+            self.side_channel.close()
+        self.thread.close()
+
+    @staticmethod
+    def _need(role, what: str):
+        if role is None:
+            raise RuntimeError(f"{what} needs a worker with that role")
+        return role
+
+
+def _drain(q: queue.SimpleQueue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
