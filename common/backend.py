@@ -110,17 +110,22 @@ def select_backend(name: str | None = None) -> KVBackend:
 # -- describing the tensors vLLM gives the connector -----------------------------------------
 
 #: Dimension names: "2" the K/V axis, "B" blocks, "T" tokens in a block, "H" heads, "D" head size.
-KNOWN_LAYOUTS = ("2BTHD", "2BHTD", "B2THD", "B2HTD")
+#: 4-D layouts have no K/V axis: each vector holds K and V together (vLLM's CPU backend keeps
+#: ``(num_blocks, heads, block_size, 2 * head_size)``), so "D" there is ``2 * head_size``.
+KNOWN_LAYOUTS = ("2BTHD", "2BHTD", "B2THD", "B2HTD", "BHTD", "BTHD")
 
 
 def guess_dims(shape: Sequence[int], block_size: int, local_heads: int, head_size: int) -> str:
     """Name the axes of a 5-D KV tensor from its shape; raise if ambiguous or unknown."""
-    if len(shape) != 5:
-        raise GeometryError(f"expected a 5-D KV cache tensor, got shape {tuple(shape)}")
+    if len(shape) not in (4, 5):
+        raise GeometryError(f"expected a 4-D or 5-D KV cache tensor, got shape {tuple(shape)}")
     matches = []
     for dims in KNOWN_LAYOUTS:
-        want = {"2": 2, "T": block_size, "H": local_heads, "D": head_size}
-        if all(dims[i] == "B" or shape[i] == want[dims[i]] for i in range(5)):
+        if len(dims) != len(shape):
+            continue
+        want = {"2": 2, "T": block_size, "H": local_heads,
+                "D": head_size if len(shape) == 5 else 2 * head_size}
+        if all(dims[i] == "B" or shape[i] == want[dims[i]] for i in range(len(shape))):
             matches.append(dims)
     if len(matches) != 1:
         raise GeometryError(
@@ -153,8 +158,11 @@ def describe_kv_caches(
     first = tensors[0]
     shape = tuple(int(s) for s in first.shape)
     dims = dims or guess_dims(shape, block_size, local_heads, head_size)
-    if sorted(dims) != sorted("2BTHD"):
-        raise GeometryError(f"dims {dims!r} must name the axes 2, B, T, H and D once each")
+    if sorted(dims) not in (sorted("2BTHD"), sorted("BTHD")) or len(dims) != len(shape):
+        raise GeometryError(f"dims {dims!r} must name the axes (2,) B, T, H and D once each")
+    kv_parts = 2 if "2" in dims else 1
+    if kv_parts == 1:
+        head_size = int(shape[dims.index("D")])  # the combined [K | V] vector
     axis = {d: dims.index(d) for d in dims}
     esize = int(first.element_size())
     k_bases, v_bases = [], []
@@ -175,7 +183,8 @@ def describe_kv_caches(
                 "(on Neuron, set NEURON_RT_MAP_HBM=1 before the first device allocation)"
             )
         k_bases.append(base)
-        v_bases.append(base + strides[axis["2"]] * esize)
+        if kv_parts == 2:
+            v_bases.append(base + strides[axis["2"]] * esize)
     assert ref is not None
     s = {d: ref[axis[d]] for d in dims}
     if s["D"] != 1:
@@ -208,6 +217,7 @@ def describe_kv_caches(
         v_bases=tuple(v_bases),
         mem_type=backend.mem_type,
         dev_id=backend.device_id(first),
+        kv_parts=kv_parts,
     )
     geometry.validate()
     return geometry

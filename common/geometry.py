@@ -19,6 +19,9 @@ The usual vLLM placements are constructors:
   or two tensors as on Neuron): ``block_stride == block_bytes``.
 * ``blocks_first`` -- one region per layer in which every block holds its K then its V
   (``(num_blocks, 2, ...)``): ``block_stride == 2 * block_bytes``, ``v_base = k_base + block_bytes``.
+* ``kv_parts == 1`` -- one part per block whose vectors hold K and V together (vLLM's CPU backend:
+  ``(num_blocks, heads, block_size, 2 * head_size)``, each vector ``[K | V]``), or a single latent
+  (MLA). ``head_size`` then counts the elements of that combined vector and ``v_bases`` is empty.
 
 Addresses are absolute in the owning process (they are what NIXL descriptors carry); ``dev_id``
 is the device the memory is on (0 for host DRAM).
@@ -53,6 +56,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     v_bases: tuple[int, ...]  # per layer, address of block 0's V part
     mem_type: str = "DRAM"  # NIXL memory type of these addresses: "DRAM" or "VRAM"
     dev_id: int = 0
+    kv_parts: int = 2  # 2: K and V parts per block; 1: one combined part (see module doc)
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -68,6 +72,11 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     def vec_bytes(self) -> int:
         """Bytes of one (token, head) vector."""
         return self.head_size * self.dtype_bytes
+
+    @property
+    def part_bases(self) -> tuple[tuple[int, ...], ...]:
+        """Per part (K, then V when kv_parts == 2), the per-layer base addresses."""
+        return (self.k_bases, self.v_bases) if self.kv_parts == 2 else (self.k_bases,)
 
     @property
     def block_bytes(self) -> int:
@@ -101,10 +110,13 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
             raise GeometryError(
                 f"TP {self.tp_size} is not a multiple of {self.num_kv_heads} KV heads"
             )
-        if len(self.k_bases) != self.num_layers or len(self.v_bases) != self.num_layers:
+        if self.kv_parts not in (1, 2):
+            raise GeometryError(f"kv_parts must be 1 or 2, got {self.kv_parts}")
+        want_v = self.num_layers if self.kv_parts == 2 else 0
+        if len(self.k_bases) != self.num_layers or len(self.v_bases) != want_v:
             raise GeometryError(
-                f"expected {self.num_layers} K and V bases, got {len(self.k_bases)} and "
-                f"{len(self.v_bases)}"
+                f"expected {self.num_layers} K and {want_v} V bases, got {len(self.k_bases)} "
+                f"and {len(self.v_bases)}"
             )
         if self.block_stride < self.block_bytes:
             raise GeometryError(
@@ -116,7 +128,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
     def compatible_with(self, other: "KVGeometry") -> None:
         """Raise GeometryError unless KV of ``self`` can be written into ``other``."""
-        for name in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes", "dtype"):
+        for name in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes", "dtype", "kv_parts"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 raise GeometryError(f"{name} differs: {a} here, {b} at the peer")
@@ -224,9 +236,10 @@ def pool_bytes(
     *, placement: str, num_layers: int, num_blocks: int, block_bytes: int
 ) -> int:
     """Bytes a contiguous pool needs for ``placement`` ("kv_split" or "blocks_first")."""
-    if placement not in ("kv_split", "blocks_first"):
+    if placement not in ("kv_split", "blocks_first", "combined"):
         raise GeometryError(f"unknown placement {placement!r}")
-    return num_layers * 2 * num_blocks * block_bytes
+    parts = 1 if placement == "combined" else 2
+    return num_layers * parts * num_blocks * block_bytes
 
 
 def pooled(
@@ -249,6 +262,8 @@ def pooled(
     """A geometry for one contiguous pool at ``base`` laid out layer after layer.
 
     Used by the host backend, the demo, the tests and the benchmarks, where we own the memory.
+    ``placement`` "combined" is ``kv_parts == 1`` (vLLM CPU's ``[K | V]`` vectors): one part per
+    block, ``head_size`` elements per vector.
     """
     local = max(1, num_kv_heads // tp_size)
     block_bytes = block_size * local * head_size * dtype_bytes
@@ -277,5 +292,12 @@ def pooled(
     if placement == "blocks_first":
         return blocks_first(
             layer_bases=[base + l * layer_bytes for l in range(num_layers)], **common
+        )
+    if placement == "combined":
+        layer_bytes = num_blocks * block_bytes
+        return KVGeometry(
+            num_layers=num_layers, block_stride=block_bytes, kv_parts=1,
+            k_bases=tuple(base + l * layer_bytes for l in range(num_layers)), v_bases=(),
+            **common,
         )
     raise GeometryError(f"unknown placement {placement!r}")

@@ -186,7 +186,7 @@ def _block_ids(blocks: Sequence[int], geo: KVGeometry, side: str) -> np.ndarray:
 
 
 def _check_addresses(geo: KVGeometry, side: str) -> None:
-    bases = (*geo.k_bases, *geo.v_bases)
+    bases = tuple(b for part in geo.part_bases for b in part)
     if min(bases) < 0:
         raise GeometryError(f"{side} geometry has a negative base address")
     if max(bases) + geo.num_blocks * geo.block_stride >= _MAX_ADDR:
@@ -202,7 +202,8 @@ def _order(geo: KVGeometry) -> tuple[int, int]:
 
 def _kv_adjacent(geo: KVGeometry) -> bool:
     """True when every block's V part starts right where its K part ends (``blocks_first``)."""
-    return all(v - k == geo.block_bytes for k, v in zip(geo.k_bases, geo.v_bases))
+    return geo.kv_parts == 2 and all(
+        v - k == geo.block_bytes for k, v in zip(geo.k_bases, geo.v_bases))
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -277,7 +278,10 @@ def plan_writes(
             np.arange(first_token + bd, num_tokens, bd, dtype=np.int64),
         )
     )
-    start = np.unique(cuts) if bs != bd else cuts[: 1 + (cuts.shape[0] - 1) // 2]
+    if bs == bd:  # first_token is then block-aligned on both sides: the two cut lists coincide
+        start = cuts[: 1 + (cuts.shape[0] - 1) // 2]
+    else:
+        start = np.unique(cuts)
     n = np.diff(np.append(start, num_tokens))
     sbi = start // bs
     s_tok = start - sbi * bs  # token offset inside the P block
@@ -338,16 +342,18 @@ def plan_writes(
 
     # Broadcast over layers and K/V: (layer, K/V, piece) or, when both sides keep V right after
     # K in every block, (layer, piece, K/V) so that K+V of whole blocks merge.
-    s_base = np.array([src.k_bases, src.v_bases], dtype=np.int64).T  # (layers, 2)
-    d_base = np.array([dst.k_bases, dst.v_bases], dtype=np.int64).T
+    # With kv_parts == 1 (one combined part per block) there is a single "K/V" slot.
+    parts = src.kv_parts
+    s_base = np.array(src.part_bases, dtype=np.int64).T  # (layers, parts)
+    d_base = np.array(dst.part_bases, dtype=np.int64).T
     if _kv_adjacent(src) and _kv_adjacent(dst):
         s_all = (s_base[:, None, :] + s_off[None, :, None]).ravel()
         d_all = (d_base[:, None, :] + d_off[None, :, None]).ravel()
-        l_all = np.broadcast_to(plen[None, :, None], (src.num_layers, pieces, 2)).ravel()
+        l_all = np.broadcast_to(plen[None, :, None], (src.num_layers, pieces, parts)).ravel()
     else:
         s_all = (s_base[:, :, None] + s_off[None, None, :]).ravel()
         d_all = (d_base[:, :, None] + d_off[None, None, :]).ravel()
-        l_all = np.broadcast_to(plen[None, None, :], (src.num_layers, 2, pieces)).ravel()
+        l_all = np.broadcast_to(plen[None, None, :], (src.num_layers, parts, pieces)).ravel()
 
     # Merge: a piece continues the previous one when both its ends line up.
     s_end = s_all[:-1] + l_all[:-1]

@@ -71,7 +71,7 @@ class PeerServer:
         from .synthetic_kv import logical_kv
         g = self.pool.geometry
         logical = logical_kv(seed, num_layers=g.num_layers, num_tokens=num_tokens,
-                             num_kv_heads=g.num_kv_heads, vec_bytes=g.vec_bytes)
+                             num_kv_heads=g.num_kv_heads, vec_bytes=g.vec_bytes, kv_parts=g.kv_parts)
         self.pool.scatter(logical, block_ids, first_token)
 
     def fill_byte(self, value: int):
@@ -82,7 +82,7 @@ class PeerServer:
         from .synthetic_kv import logical_kv
         g = self.pool.geometry
         logical = logical_kv(seed, num_layers=g.num_layers, num_tokens=num_tokens,
-                             num_kv_heads=g.num_kv_heads, vec_bytes=g.vec_bytes)
+                             num_kv_heads=g.num_kv_heads, vec_bytes=g.vec_bytes, kv_parts=g.kv_parts)
         lo, hi = g.head_range
         want = logical[:, :, first_token:num_tokens, lo:hi]
         got = self.pool.gather(block_ids, first_token, num_tokens)
@@ -92,7 +92,7 @@ class PeerServer:
         """True if every byte of these blocks (all layers, K and V) equals ``value``."""
         g = self.pool.geometry
         for b in block_ids:
-            for bases in (g.k_bases, g.v_bases):
+            for bases in g.part_bases:
                 for base in bases:
                     off = base - self.pool.base + b * g.block_stride
                     if np.any(self.pool.buf[off: off + g.block_bytes] != value):

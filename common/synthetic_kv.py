@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .geometry import KVGeometry, TokenOrder, pooled
+from .geometry import KVGeometry, TokenOrder, pool_bytes, pooled
 
 
 class HostPool:
@@ -22,7 +22,8 @@ class HostPool:
                  fill: int | None = 0):
         local = max(1, num_kv_heads // tp_size)
         block_bytes = block_size * local * head_size * dtype_bytes
-        nbytes = num_layers * 2 * num_blocks * block_bytes
+        nbytes = pool_bytes(placement=placement, num_layers=num_layers, num_blocks=num_blocks,
+                            block_bytes=block_bytes)
         self.buf = np.empty(nbytes, dtype=np.uint8)
         if fill is not None:
             self.buf.fill(fill)
@@ -35,7 +36,7 @@ class HostPool:
 
     def _block(self, layer: int, kv: int, block: int) -> np.ndarray:
         g = self.geometry
-        base = (g.k_bases if kv == 0 else g.v_bases)[layer] + block * g.block_stride
+        base = g.part_bases[kv][layer] + block * g.block_stride
         raw = self.buf[base - self.base: base - self.base + g.block_bytes]
         if g.token_order == "NHD":
             return raw.reshape(g.block_size, g.local_heads, g.vec_bytes)
@@ -52,13 +53,14 @@ class HostPool:
             if t0 >= ntok:
                 break
             for layer in range(g.num_layers):
-                for kv in (0, 1):
+                for kv in range(g.kv_parts):
                     self._block(layer, kv, b)[: t1 - t0] = logical[layer, kv, t0:t1, lo:hi]
 
     def gather(self, block_ids: Sequence[int], first_token: int, num_tokens: int) -> np.ndarray:
         """Tokens [first_token, num_tokens) of this rank's heads: (layers, 2, n, heads, bytes)."""
         g = self.geometry
-        out = np.empty((g.num_layers, 2, num_tokens - first_token, g.local_heads, g.vec_bytes),
+        out = np.empty((g.num_layers, g.kv_parts, num_tokens - first_token, g.local_heads,
+                        g.vec_bytes),
                        dtype=np.uint8)
         for j, b in enumerate(block_ids):
             t0 = j * g.block_size
@@ -66,16 +68,16 @@ class HostPool:
             if t0 >= t1:
                 break
             for layer in range(g.num_layers):
-                for kv in (0, 1):
+                for kv in range(g.kv_parts):
                     out[layer, kv, t0:t1] = self._block(layer, kv, b)[: t1 - t0]
         return out
 
 
 def logical_kv(seed: int, *, num_layers: int, num_tokens: int, num_kv_heads: int,
-               vec_bytes: int) -> np.ndarray:
-    """A reproducible random logical KV tensor."""
+               vec_bytes: int, kv_parts: int = 2) -> np.ndarray:
+    """A reproducible random logical KV tensor ``[layer, part, token, head, byte]``."""
     rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (num_layers, 2, num_tokens, num_kv_heads, vec_bytes),
+    return rng.integers(0, 256, (num_layers, kv_parts, num_tokens, num_kv_heads, vec_bytes),
                         dtype=np.uint8)
 
 
