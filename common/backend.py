@@ -44,11 +44,12 @@ class BackendError(RuntimeError):
 class KVBackend(Protocol):
     name: str
     mem_type: str
+    nixl_backends: tuple[str, ...]  # the NIXL backends that can register this memory
 
     @classmethod
     def available(cls) -> bool: ...
 
-    def prepare(self) -> None: ...
+    def prepare(self, colocated: bool = False) -> None: ...
 
     def device_id(self, tensor: Any) -> int: ...
 
@@ -60,12 +61,13 @@ class HostBackend:
 
     name = "host"
     mem_type = "DRAM"
+    nixl_backends = ("UCX",)
 
     @classmethod
     def available(cls) -> bool:
         return True
 
-    def prepare(self) -> None:
+    def prepare(self, colocated: bool = False) -> None:
         return None
 
     def device_id(self, tensor: Any) -> int:

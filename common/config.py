@@ -25,8 +25,9 @@ class PushConfig:
     side_channel_port: int = 5600
     #: memory backend: host, cuda, neuron, or "" to detect
     backend: str = ""
-    #: NIXL backends for the agent (UCX here and on p5en; LIBFABRIC on EFA / Trainium)
-    nixl_backends: tuple[str, ...] = ("UCX",)
+    #: NIXL backends for the agent; empty: the memory backend's own choice (host and cuda: UCX,
+    #: neuron: LIBFABRIC). p5en over EFA: ("LIBFABRIC",).
+    nixl_backends: tuple[str, ...] = ()
     #: heartbeats go out this often; a peer silent for 1.5 intervals is declared dead
     heartbeat_interval_s: float = 1.0
     #: a registration or prefill that never finds its other half is dropped after this long
@@ -57,7 +58,7 @@ class PushConfig:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a port")
         if self.backend not in ("", "host", "cuda", "neuron"):
             raise ConfigError(f"backend must be host, cuda or neuron, got {self.backend!r}")
-        if not self.nixl_backends or any(b not in ("UCX", "LIBFABRIC") for b in self.nixl_backends):
+        if any(b not in ("UCX", "LIBFABRIC") for b in self.nixl_backends):
             raise ConfigError(f"nixl_backends must be UCX and/or LIBFABRIC, got {self.nixl_backends}")
         return self
 
@@ -97,7 +98,11 @@ def _coerce(key: str, f: dataclasses.Field, raw: Any) -> Any:
                 raise ValueError(raw)
             return bool(raw)
         if isinstance(default, bytes):
-            return raw.encode() if isinstance(raw, str) else bytes(raw)
+            if isinstance(raw, str):
+                return raw.encode()
+            if isinstance(raw, (bytes, bytearray, memoryview)):
+                return bytes(raw)
+            raise TypeError(raw)  # bytes(1234) would be 1234 zero bytes: never a usable key
         if isinstance(default, tuple):
             items = raw.split(",") if isinstance(raw, str) else list(raw)
             return tuple(str(i).strip() for i in items if str(i).strip())

@@ -120,6 +120,17 @@ class Producer:
             self._start(pairing)
         self._maybe_finish(transfer_id)
 
+    def prefill_failed(self, transfer_id: str, reason: str) -> None:
+        """The prefill will never finish (aborted, errored): tell decoders now, not at time-out."""
+        for reg in self.rdv.registrations(transfer_id):
+            self._fail(reg.peer, transfer_id, reg.attempt, f"prefill failed: {reason}")
+        source = self.rdv.source(transfer_id)
+        self.rdv.drop(transfer_id)
+        self.transfers.pop(transfer_id, None)
+        self.tombstones[transfer_id] = self.t.clock()
+        if source is not None:
+            self._maybe_release_source(source)
+
     # -- messages ------------------------------------------------------------------------------
     def on_message(self, peer: Peer, msg) -> None:
         if isinstance(msg, Register):

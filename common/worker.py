@@ -16,7 +16,7 @@ import queue
 import uuid
 from typing import Callable
 
-from .backend import HostBackend, KVBackend
+from .backend import BackendError, HostBackend, KVBackend
 from .config import PushConfig
 from .consumer import Consumer, Outcome
 from .geometry import KVGeometry
@@ -50,9 +50,9 @@ class PushWorker:
         self.geometry = geometry
         self.role = role
         self.counters = counters or Counters()
-        self.backend.prepare()
+        self.backend.prepare(colocated=self.config.colocated)
         if transport_factory is None:
-            backends = self.config.nixl_backends
+            backends = self._nixl_backends()
             transport_factory = lambda: NixlTransport(  # noqa: E731
                 name=f"kvpush-{self.engine_id[:12]}-r{geometry.tp_rank}", backends=backends)
         transport = transport_factory()
@@ -86,6 +86,18 @@ class PushWorker:
             self.thread.add_role(self.consumer)
         self._started = False
 
+    def _nixl_backends(self) -> tuple[str, ...]:
+        """The configured NIXL backends, which must be able to register the backend's memory."""
+        usable = tuple(getattr(self.backend, "nixl_backends", ("UCX",)))
+        if not self.config.nixl_backends:
+            return usable[:1]
+        chosen = tuple(b for b in self.config.nixl_backends if b in usable)
+        if not chosen:
+            raise BackendError(
+                f"nixl_backends {self.config.nixl_backends} cannot register {self.backend.name} "
+                f"memory; use {usable} (kv_connector_extra_config 'nixl_backends')")
+        return chosen
+
     @property
     def side_channel_address(self) -> tuple[str, int]:
         if self.side_channel is None:
@@ -104,6 +116,10 @@ class PushWorker:
         producer = self._need(self.producer, "prefill_done")
         ids = tuple(int(b) for b in block_ids)
         self.thread.submit(lambda: producer.prefill_done(key, transfer_id, ids, num_tokens))
+
+    def prefill_failed(self, transfer_id: str, reason: str = "aborted") -> None:
+        producer = self._need(self.producer, "prefill_failed")
+        self.thread.submit(lambda: producer.prefill_failed(transfer_id, reason))
 
     def drain_released(self) -> list[str]:
         return _drain(self.released)

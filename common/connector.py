@@ -1,0 +1,155 @@
+"""``KVPushConnector``: the vLLM KV connector users load (a thin facade).
+
+Load it by path::
+
+    --kv-transfer-config '{"kv_connector": "KVPushConnector",
+                           "kv_connector_module_path": "kv_push.common.connector",
+                           "kv_role": "kv_producer", "kv_connector_extra_config": {...}}'
+
+or by name alone (``"kv_connector": "KVPushConnector"``): the ``vllm.general_plugins`` entry
+point registers it with vLLM's connector factory on import (``vllm_plugin.py``).
+
+vLLM creates one instance in the scheduler process (role SCHEDULER) and one in every worker
+(role WORKER). The scheduler half is ``connector_scheduler.PushScheduler``, the worker half
+``connector_worker.PushConnectorWorker``; this class only adapts vLLM's hooks to them. Hooks that
+differ between vLLM versions are feature-detected in ``vllm_compat``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from . import vllm_compat as compat
+from .config import PushConfig
+from .connector_scheduler import PushScheduler, StepPlan
+from .connector_stats import KVPushPromMetrics, KVPushStats
+
+logger = logging.getLogger(__name__)
+
+
+class PushConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan):
+        self.plan = plan
+
+
+class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
+    """Push-mode P/D connector over NIXL (see the package README)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        compat.init_base(super(), vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        # parsed once, here: a bad key or value stops the server at start-up
+        self.push_config = PushConfig.from_sources(ktc.kv_connector_extra_config or {})
+        self.kv_role = {"kv_producer": "producer", "kv_consumer": "consumer",
+                        "kv_both": "both"}.get(ktc.kv_role)
+        if self.kv_role is None:
+            raise ValueError(f"KVPushConnector needs kv_role kv_producer, kv_consumer or "
+                             f"kv_both, got {ktc.kv_role!r}")
+        block_size = vllm_config.cache_config.block_size
+        self._scheduler: PushScheduler | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
+                                            is_consumer=self.kv_role in ("consumer", "both"),
+                                            block_size=block_size)
+        else:
+            from .connector_worker import PushConnectorWorker  # noqa: PLC0415
+
+            tp_rank, tp_size = compat.tp_rank_and_size()
+            mc = vllm_config.model_config
+            self._worker = PushConnectorWorker(
+                config=self.push_config, role=self.kv_role,
+                engine_id=str(ktc.engine_id), tp_rank=tp_rank, tp_size=tp_size,
+                num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(),
+                block_size=block_size, dtype=compat.kv_dtype_name(vllm_config))
+
+    # ---------------------------------------------------------------------------------------
+    # worker side
+    # ---------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, PushConnectorMetadata):
+            self._worker.handle(connector_metadata.plan)  # enqueue only
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # the producer pushes; nothing to pull
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _failed = self._worker.get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        sending, recving, failed = self._worker.get_finished()
+        return compat.transfer_results(sending, recving, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors = self._worker.take_load_errors()
+        # vLLM versions with failed_recving learn about failures from there
+        return set() if compat.HAS_FAILED_RECVING else errors
+
+    def get_kv_connector_stats(self):
+        if self._worker is None:  # the scheduler half has no transfer thread
+            return None
+        data = self._worker.stats()
+        return KVPushStats(data=data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---------------------------------------------------------------------------------------
+    # scheduler side
+    # ---------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        block_ids = compat.new_block_ids(blocks) if num_external_tokens > 0 else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return PushConnectorMetadata(self._scheduler.take_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.on_send_finished(connector_output.finished_sending or ())
+        self._scheduler.on_recv_finished(connector_output.finished_recving or ())
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        return self._scheduler.request_finished(request, block_ids, compat.finished_ok(request))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, compat.single_group(block_ids))
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    # ---------------------------------------------------------------------------------------
+    # metrics
+    # ---------------------------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVPushStats(data=dict(data)) if data is not None else KVPushStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,85 @@
+"""What differs between the vLLM versions the connector supports, detected once at import.
+
+Supported: vLLM 0.29 and 0.32 (tested end to end here with the CPU build), and the hooks back to
+0.24 (the base of the Neuron vLLM plugin), which are feature-detected rather than version-checked:
+
+* ``KVConnectorBase_V1.__init__`` takes ``kv_cache_config`` since 0.2x; older takes two args.
+* ``SupportsHMA`` (``request_finished_all_groups``): mixed in when present, so vLLM does not
+  demand ``--disable-hybrid-kv-cache-manager``.
+* ``KVConnectorTransferResults.failed_recving``: failures go there when present, else through
+  ``get_block_ids_with_load_errors``.
+* ``has_pending_push_work``: keeps the producer's engine loop stepping while blocks wait for
+  their WRITEs; where absent, vLLM keeps stepping while requests hold delayed-free blocks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
+
+KVConnectorBase_V1 = _base.KVConnectorBase_V1
+SupportsHMA = getattr(_base, "SupportsHMA", None)
+_TransferResults = getattr(_base, "KVConnectorTransferResults", None)
+HAS_FAILED_RECVING = _TransferResults is not None and "failed_recving" in getattr(
+    _TransferResults, "__dataclass_fields__", {})
+_INIT_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in inspect.signature(
+    KVConnectorBase_V1.__init__).parameters
+
+
+def connector_bases() -> tuple[type, ...]:
+    return (KVConnectorBase_V1, SupportsHMA) if SupportsHMA is not None else (KVConnectorBase_V1,)
+
+
+def init_base(sup: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+    if _INIT_TAKES_KV_CACHE_CONFIG:
+        sup.__init__(vllm_config, role, kv_cache_config)
+    else:  # pragma: no cover - vLLM before the three-argument constructor
+        sup.__init__(vllm_config, role)
+
+
+def transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> Any:
+    if HAS_FAILED_RECVING:
+        return _TransferResults(finished_sending=sending, finished_recving=recving,
+                                failed_recving=failed)
+    return _TransferResults(finished_sending=sending, finished_recving=recving)
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import (  # noqa: PLC0415
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def kv_dtype_name(vllm_config: Any) -> str:
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype and cache_dtype != "auto":
+        return str(cache_dtype)
+    return str(vllm_config.model_config.dtype).replace("torch.", "")
+
+
+def new_block_ids(blocks: Any) -> list[int]:
+    """The request's newly allocated (not prefix-cached) block ids, single KV cache group."""
+    if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
+        return single_group(blocks.get_unhashed_block_ids_all_groups())
+    return list(blocks.get_unhashed_block_ids())
+
+
+def single_group(block_ids: Any) -> list[int]:
+    groups = [list(g) for g in block_ids]
+    if len(groups) > 1 and any(groups[1:]):
+        raise NotImplementedError(
+            "KVPushConnector handles one KV cache group (attention-only models); this model has "
+            f"{len(groups)} groups")
+    return groups[0] if groups else []
+
+
+def finished_ok(request: Any) -> bool:
+    """True when a producer request finished with its prefill computed (not aborted/errored)."""
+    from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
