@@ -1,0 +1,242 @@
+"""Configuration of the P/D router (``kv-push-router``): a frozen dataclass, its CLI parser, and
+the backend pool built from it (least-outstanding selection).
+
+The command line is parsed once into :class:`RouterConfig`; every value is validated there so that
+the router itself never sees a malformed backend. Bad input raises :class:`ValueError` with a
+message naming the offending option (the CLI turns it into ``SystemExit(2)`` via argparse).
+
+Prefill backends are given as ``URL,kv=HOST:PORT[,engine_id=ID][,tp=N][,pp=N]``:
+
+* ``URL`` -- the prefill vLLM server's HTTP base URL (``http://p0:8100``).
+* ``kv`` -- host:port of that server's KV side channel (the connector's handshake listener).
+  Required in ``push`` and ``upstream-push`` modes; unused (so optional) in ``pull`` mode, where
+  P reports its own coordinates in its response.
+* ``engine_id``, ``tp``, ``pp`` -- only for ``upstream-push``: P's NIXL engine id and parallel
+  sizes. Without them the router learns them from P's first response (see ``router.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+MODES = ("push", "pull", "upstream-push")
+
+
+def _parse_url(url: str, what: str) -> str:
+    """Check an ``http(s)://host[:port][/prefix]`` base URL; return it without a trailing ``/``."""
+    url = url.strip()
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError on a non-numeric or out-of-range port
+    except ValueError as exc:
+        raise ValueError(f"{what}: invalid URL {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{what}: expected an http(s)://HOST[:PORT] URL, got {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{what}: URL {url!r} must not carry a query or fragment")
+    del port
+    return url.rstrip("/")
+
+
+def _parse_hostport(value: str, what: str) -> tuple[str, int]:
+    """Parse ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6)."""
+    host, sep, port_s = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host:
+        raise ValueError(f"{what}: expected HOST:PORT, got {value!r}")
+    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"{what}: port must be an integer in 1..65535, got {port_s!r}")
+    return host, int(port_s)
+
+
+def _positive_int(value: str, what: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{what}: expected a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """One prefill backend."""
+
+    url: str
+    kv_host: str | None = None
+    kv_port: int | None = None
+    engine_id: str | None = None  # upstream-push only; learned from P's responses when absent
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def kv(self) -> str | None:
+        """``HOST:PORT`` of the side channel, or ``None`` when not configured."""
+        return None if self.kv_host is None else f"{self.kv_host}:{self.kv_port}"
+
+
+def parse_prefill_spec(spec: str) -> PrefillSpec:
+    """Parse ``URL,kv=HOST:PORT[,engine_id=ID][,tp=N][,pp=N]`` into a :class:`PrefillSpec`."""
+    what = f"--prefill {spec!r}"
+    url_part, *options = [p.strip() for p in spec.split(",")]
+    url = _parse_url(url_part, what)
+    fields: dict[str, object] = {}
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep or not value:
+            raise ValueError(f"{what}: expected KEY=VALUE after the URL, got {opt!r}")
+        if key in fields or (key == "kv" and "kv_host" in fields):
+            raise ValueError(f"{what}: option {key!r} given twice")
+        if key == "kv":
+            fields["kv_host"], fields["kv_port"] = _parse_hostport(value, f"{what} kv")
+        elif key == "engine_id":
+            fields["engine_id"] = value
+        elif key in ("tp", "pp"):
+            fields[f"{key}_size"] = _positive_int(value, f"{what} {key}")
+        else:
+            raise ValueError(f"{what}: unknown option {key!r} (known: kv, engine_id, tp, pp)")
+    return PrefillSpec(url=url, **fields)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; immutable after parsing."""
+
+    prefill: tuple[PrefillSpec, ...]
+    decode: tuple[str, ...]
+    mode: str = "push"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    timeout: float = 300.0  # read/write/pool timeout of upstream requests, seconds
+    connect_timeout: float = 10.0
+    max_connections: int = 1024  # size of the shared httpx connection pool
+    health_probe_timeout: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.prefill:
+            raise ValueError("at least one --prefill URL,kv=HOST:PORT is required")
+        if not self.decode:
+            raise ValueError("at least one --decode URL is required")
+        if self.mode != "pull":
+            missing = [p.url for p in self.prefill if p.kv_host is None]
+            if missing:
+                raise ValueError(
+                    f"--mode {self.mode} needs kv=HOST:PORT on every --prefill; missing on "
+                    + ", ".join(missing)
+                )
+        urls = [p.url for p in self.prefill] + list(self.decode)
+        dupes = sorted({u for u in urls if urls.count(u) > 1})
+        if dupes:
+            raise ValueError(f"backend URL given more than once: {', '.join(dupes)}")
+        if not self.timeout > 0 or not self.connect_timeout > 0:
+            raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+        if not self.health_probe_timeout > 0:
+            raise ValueError(f"health_probe_timeout must be > 0, got {self.health_probe_timeout}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be >= 1, got {self.max_connections}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kv-push-router",
+        description="OpenAI-compatible router in front of prefill (P) and decode (D) vLLM servers.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="listen port (default %(default)s)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL,kv=HOST:PORT",
+        help="prefill server and its KV side channel (repeatable); "
+        "optional extra fields engine_id=ID,tp=N,pp=N for --mode upstream-push",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="decode server (repeatable)"
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="push",
+        help="push: our connector, P and D legs concurrently; pull: vLLM NixlConnector, serial; "
+        "upstream-push: vLLM NixlPushConnector (default %(default)s)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="upstream read timeout, s (%(default)s)"
+    )
+    p.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool")
+    p.add_argument("--log-level", default="info", help="uvicorn/router log level")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[RouterConfig, str]:
+    """Parse the command line into a :class:`RouterConfig` (and the log level).
+
+    Invalid values end the program through ``parser.error`` (``SystemExit(2)``) with a message.
+    """
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        config = RouterConfig(
+            prefill=tuple(parse_prefill_spec(s) for s in ns.prefill),
+            decode=tuple(_parse_url(u, f"--decode {u!r}") for u in ns.decode),
+            mode=ns.mode,
+            host=ns.host,
+            port=ns.port,
+            timeout=ns.timeout,
+            connect_timeout=min(10.0, ns.timeout),
+            max_connections=ns.max_connections,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))  # exits
+    return config, ns.log_level
+
+
+class Backend:
+    """One configured upstream server and its count of in-flight legs.
+
+    ``gauge`` is anything with ``set(value)`` (the router passes a labelled Prometheus gauge).
+    """
+
+    def __init__(self, role: str, url: str, gauge: Any, spec: PrefillSpec | None = None) -> None:
+        self.role, self.url, self.spec, self.outstanding = role, url, spec, 0
+        self._gauge = gauge
+        gauge.set(0)
+
+    def add(self, delta: int) -> None:
+        self.outstanding += delta
+        self._gauge.set(self.outstanding)
+
+
+class Lease:
+    """One leg's slot on a backend, taken at selection; :meth:`release` is idempotent."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend, self._held = backend, True
+        backend.add(1)
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.backend.add(-1)
+
+
+class BackendPool:
+    """Least-outstanding selection; ties go round robin (the scan starts one further each time)."""
+
+    def __init__(self, backends: list[Backend]) -> None:
+        if not backends:
+            raise ValueError("a backend pool needs at least one backend")
+        self.backends, self._next = backends, 0
+
+    def acquire(self) -> Lease:
+        """Pick the backend with the fewest outstanding legs and take a slot on it."""
+        n = len(self.backends)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [self.backends[(start + k) % n] for k in range(n)]
+        return Lease(min(order, key=lambda b: b.outstanding))  # min keeps the first of equals

@@ -1,0 +1,236 @@
+"""A fake vLLM OpenAI server for router tests: records requests, delays, fails, streams SSE.
+
+``FakeVLLM(name, role)`` builds a FastAPI app (``.app``) serving ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models`` and ``/health``. Its behaviour is set through
+``.behavior`` (mutable between requests) and every request is kept in ``.records`` with its body,
+headers, monotonic start/end times, the bytes it sent, and whether the client went away before
+the response was complete (``disconnected``) -- which is how tests see that the router cancelled
+a leg. In the ``prefill`` role it answers requests carrying ``kv_transfer_params.do_remote_decode``
+with ``kv_transfer_params`` in its JSON, as vLLM's NIXL connectors do.
+
+:func:`bind` takes a free loopback port and :func:`serve_all` runs ASGI apps on such ports with
+uvicorn inside the running event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+
+@dataclass
+class Behavior:
+    delay: float = 0.0  # seconds before the response (before the first chunk when streaming)
+    fail_status: int | None = None  # answer with this HTTP status and an OpenAI-style error
+    n_chunks: int = 3  # streamed content chunks (followed by data: [DONE])
+    chunk_interval: float = 0.0  # seconds between streamed chunks
+    transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
+
+
+@dataclass
+class Record:
+    path: str
+    body: dict
+    headers: dict[str, str]
+    start: float
+    end: float | None = None
+    completed: bool = False
+    disconnected: bool = False
+    disconnected_at: float | None = None
+    sent: bytes = b""
+    response_json: dict | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        return self.headers.get("x-request-id")
+
+    @property
+    def kv(self) -> dict | None:
+        return self.body.get("kv_transfer_params")
+
+
+@dataclass
+class FakeVLLM:
+    name: str
+    role: str = "decode"  # or "prefill"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    behavior: Behavior = field(default_factory=Behavior)
+    records: list[Record] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.engine_id = f"engine-{self.name}"
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self._completions)
+        self.app.post("/v1/chat/completions")(self._chat)
+        self.app.get("/v1/models")(self._models)
+        self.app.get("/health")(lambda: Response(status_code=200))
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    async def _completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _models(self) -> JSONResponse:
+        return JSONResponse({"object": "list",
+                             "data": [{"id": "fake-model", "owned_by": self.name}]})
+
+    async def _serve(self, request: Request, chat: bool) -> Response:
+        body = json.loads(await request.body())
+        rec = Record(request.url.path, body, dict(request.headers), time.monotonic())
+        self.records.append(rec)
+        b = self.behavior
+        watcher = asyncio.ensure_future(self._watch(request, rec))
+        if b.delay and not body.get("stream"):
+            await asyncio.wait({watcher}, timeout=b.delay)
+            if rec.disconnected:
+                rec.end = time.monotonic()
+                return Response(status_code=499)
+        if b.fail_status is not None:
+            if body.get("stream") and b.delay:
+                await asyncio.wait({watcher}, timeout=b.delay)
+            return self._finish(rec, watcher, JSONResponse(
+                {"error": {"message": f"{self.name} failed", "type": "InternalServerError",
+                           "code": b.fail_status}}, status_code=b.fail_status))
+        rid = rec.request_id or "none"
+        if body.get("stream"):
+            return StreamingResponse(self._stream(rec, watcher, rid, chat),
+                                     media_type="text/event-stream")
+        text = "".join(self._token(i) for i in range(b.n_chunks))
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": "length"}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length"}
+        out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "object": "fake", "created": 0,
+               "model": body.get("model", "fake-model"), "choices": [choice],
+               "usage": {"prompt_tokens": 3, "completion_tokens": b.n_chunks},
+               "kv_transfer_params": self._kv_params(rec, chat)}
+        rec.response_json = out
+        return self._finish(rec, watcher, JSONResponse(out))
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _token(self, i: int) -> str:
+        return f"{self.name}-tok{i} "
+
+    def _kv_params(self, rec: Record, chat: bool) -> dict | None:
+        """What vLLM's P returns (pull/push schedulers' ``request_finished``)."""
+        if self.role != "prefill" or not (rec.kv or {}).get("do_remote_decode"):
+            return None
+        prefix = "chatcmpl" if chat else "cmpl"
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]], "remote_engine_id": self.engine_id,
+                "remote_request_id": f"{prefix}-{rec.request_id}-0-abcdef12",
+                "remote_host": self.kv_host, "remote_port": self.kv_port, "tp_size": 1,
+                "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 3,
+                "transfer_mode": self.behavior.transfer_mode}
+
+    def _finish(self, rec: Record, watcher: asyncio.Future, resp: Response) -> Response:
+        rec.completed = True
+        rec.end = time.monotonic()
+        rec.sent = bytes(resp.body)
+        watcher.cancel()
+        return resp
+
+    async def _stream(self, rec: Record, watcher: asyncio.Future, rid: str, chat: bool
+                      ) -> AsyncIterator[bytes]:
+        b = self.behavior
+        try:
+            if b.delay:
+                await asyncio.wait({watcher}, timeout=b.delay)
+            for i in range(b.n_chunks):
+                if rec.disconnected:
+                    return
+                if i and b.chunk_interval:
+                    await asyncio.sleep(b.chunk_interval)
+                if chat:
+                    choice: dict[str, Any] = {"index": 0, "delta": {"content": self._token(i)}}
+                else:
+                    choice = {"index": 0, "text": self._token(i)}
+                chunk = {"id": f"x-{rid}", "object": "chunk", "choices": [choice]}
+                data = f"data: {json.dumps(chunk)}\n\n".encode()
+                rec.sent += data
+                yield data
+            rec.sent += b"data: [DONE]\n\n"
+            rec.completed = True  # before the last send, so the watcher can tell a normal end
+            yield b"data: [DONE]\n\n"
+        finally:
+            rec.end = time.monotonic()
+            if not rec.completed:
+                self._mark_disconnected(rec)
+
+    @staticmethod
+    def _mark_disconnected(rec: Record) -> None:
+        if not rec.disconnected:
+            rec.disconnected, rec.disconnected_at = True, time.monotonic()
+
+    async def _watch(self, request: Request, rec: Record) -> None:
+        """Flag the record when the client goes away before the response was complete."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        if not rec.completed:
+            self._mark_disconnected(rec)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]  # leave pytest's signal handlers alone
+        yield
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound and closed again)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bind() -> tuple[socket.socket, str]:
+    """A listening-ready socket on a free 127.0.0.1 port, and its base URL."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def serve_all(apps_and_socks: list[tuple[Any, socket.socket]]) -> AsyncIterator[None]:
+    """Run each app with uvicorn on its socket in this event loop; stop them all together."""
+    http = os.environ.get("KV_PUSH_TEST_HTTP", "auto")  # "h11" to test the other ASGI server
+    servers = [_Server(uvicorn.Config(app, http=http, log_level="warning", lifespan="on",
+                                      timeout_graceful_shutdown=2))
+               for app, _ in apps_and_socks]
+    tasks = [asyncio.ensure_future(srv.serve(sockets=[sock]))
+             for srv, (_, sock) in zip(servers, apps_and_socks)]
+    try:
+        deadline = time.monotonic() + 10
+        while not all(srv.started for srv in servers):
+            for task in tasks:
+                if task.done():
+                    task.result()
+                    raise RuntimeError("uvicorn exited during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start within 10 s")
+            await asyncio.sleep(0.005)
+        yield
+    finally:
+        for srv in servers:
+            srv.should_exit = True
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=5)
+        for _, sock in apps_and_socks:
+            sock.close()

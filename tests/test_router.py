@@ -1,0 +1,398 @@
+"""Router tests against fake vLLM servers, everything real HTTP on loopback (no vLLM, fast)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_push.common.router import PULL_PREFILL_PARAMS, Router, build_app
+from kv_push.common.router_config import RouterConfig, parse_args, parse_prefill_spec
+
+try:
+    from tests.fake_vllm import FakeVLLM, bind, free_port, serve_all
+except ModuleNotFoundError:  # rootdir-less import (tests/ has no __init__.py)
+    from fake_vllm import FakeVLLM, bind, free_port, serve_all
+
+KV_BASE_PORT = 5600
+COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 16}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+        "max_completion_tokens": 16}
+
+
+@dataclass
+class Cluster:
+    prefills: list[FakeVLLM]
+    decodes: list[FakeVLLM]
+    router: Router
+    client: httpx.AsyncClient
+
+    async def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Samples of /metrics as {(name, sorted label items): value}."""
+        text = (await self.client.get("/metrics")).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+@contextlib.asynccontextmanager
+async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: bool = False,
+                  prefill_opts: str = "") -> AsyncIterator[Cluster]:
+    """Fake P/D servers plus a router in front of them, all on loopback ports."""
+    prefills = [FakeVLLM(f"p{i}", "prefill", kv_port=KV_BASE_PORT + i) for i in range(n_p)]
+    decodes = [FakeVLLM(f"d{i}") for i in range(n_d)]
+    p_socks = [bind() for _ in prefills]
+    d_socks = [bind() for _ in decodes]
+    d_urls = [url for _, url in d_socks]
+    if dead_decode:
+        d_urls = [f"http://127.0.0.1:{free_port()}"]
+    config = RouterConfig(
+        prefill=tuple(parse_prefill_spec(f"{url},kv=127.0.0.1:{KV_BASE_PORT + i}{prefill_opts}")
+                      for i, (_, url) in enumerate(p_socks)),
+        decode=tuple(d_urls), mode=mode, timeout=10.0)
+    app = build_app(config)
+    r_sock, r_url = bind()
+    apps = [(f.app, sock) for f, (sock, _) in zip(prefills + decodes, p_socks + d_socks)]
+    async with serve_all(apps + [(app, r_sock)]):
+        async with httpx.AsyncClient(base_url=r_url, timeout=10) as client:
+            yield Cluster(prefills, decodes, app.state.router, client)
+
+
+async def eventually(pred: Callable[[], bool], what: str, timeout: float = 3.0) -> None:
+    """Poll ``pred`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for: {what}")
+        await asyncio.sleep(0.01)
+
+
+_ROUTER_COROUTINES = {"_prefill_leg", "_open_decode", "_wait_disconnect", "_pump"}
+
+
+def all_idle(c: Cluster) -> bool:
+    """No outstanding legs, no adopted P legs, and no router task left in the loop."""
+    backends = c.router.prefill_pool.backends + c.router.decode_pool.backends
+    leftovers = [t for t in asyncio.all_tasks()
+                 if getattr(t.get_coro(), "__name__", None) in _ROUTER_COROUTINES]
+    return (all(b.outstanding == 0 for b in backends) and not c.router._background
+            and not leftovers)
+
+
+async def post(c: Cluster, endpoint: str, body: dict) -> tuple[int, bytes, httpx.Headers]:
+    """POST through the router; for streams collect every byte."""
+    async with c.client.stream("POST", endpoint, json=body) as r:
+        data = b"".join([chunk async for chunk in r.aiter_bytes()])
+        return r.status_code, data, r.headers
+
+
+ENDPOINTS = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
+
+
+# -- push mode ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint,base", ENDPOINTS)
+async def test_push_dispatches_both_legs_concurrently(endpoint: str, base: dict, stream: bool):
+    body = dict(base, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay = 0.3  # P is slow: D must start long before it finishes
+        d.behavior.delay, d.behavior.n_chunks = 0.05, 4
+        status, data, headers = await post(c, endpoint, body)
+        assert status == 200
+        await eventually(lambda: bool(p.records) and p.records[0].completed, "P leg to finish")
+        (prec,), (drec,) = p.records, d.records
+        assert data == drec.sent and drec.completed  # the client got exactly D's output
+        tid = headers["x-request-id"]
+        assert len(tid) == 32 and prec.request_id == drec.request_id == tid
+        assert drec.start < prec.end, "legs did not overlap"
+        assert prec.path == drec.path == endpoint
+        # P leg: one token, not streamed, our transfer params.
+        assert prec.body["max_tokens"] == 1 and prec.body["stream"] is False
+        assert "stream_options" not in prec.body
+        if "max_completion_tokens" in base:
+            assert prec.body["max_completion_tokens"] == 1
+        assert prec.kv == {"transfer_id": tid, "do_remote_decode": True}
+        # D leg: the client's body, plus where to expect the KV from.
+        assert drec.body == dict(body, kv_transfer_params={
+            "transfer_id": tid, "do_remote_prefill": True,
+            "remote_host": "127.0.0.1", "remote_port": KV_BASE_PORT})
+        if stream:
+            assert data.endswith(b"data: [DONE]\n\n") and data.count(b"data: ") == 5
+        else:
+            assert json.loads(data) == drec.response_json
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_push_late_prefill_failure_lets_decode_finish():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay, p.behavior.fail_status = 0.2, 500
+        d.behavior.n_chunks, d.behavior.chunk_interval = 8, 0.05
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200 and data == d.records[0].sent and d.records[0].completed
+        m = await c.metrics()
+        assert m[("kv_push_router_late_prefill_failures_total", ())] == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "http_5xx"), ("leg", "prefill")))] == 1
+
+
+# -- pull and upstream-push modes --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_pull_is_serial_and_forwards_prefill_params(stream: bool):
+    async with cluster(mode="pull") as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay = 0.2
+        status, data, headers = await post(c, "/v1/completions", dict(COMPLETION, stream=stream))
+        assert status == 200
+        (prec,), (drec,) = p.records, d.records
+        assert data == drec.sent
+        assert drec.start >= prec.end, "pull must not start D before P finished"
+        assert prec.kv == PULL_PREFILL_PARAMS and prec.body["max_tokens"] == 1
+        assert drec.kv == prec.response_json["kv_transfer_params"]
+        assert drec.kv["remote_engine_id"] == "engine-p0"
+        assert prec.request_id == drec.request_id == headers["x-request-id"]
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_upstream_push_learns_engine_id_then_overlaps():
+    async with cluster(mode="upstream-push") as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.transfer_mode = "push"
+        # First request: P's engine id is unknown, so P goes first and D gets P's params.
+        p.behavior.delay = 0.2
+        assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        assert d.records[0].start >= p.records[0].end
+        assert d.records[0].kv == p.records[0].response_json["kv_transfer_params"]
+        # Then both legs at once, D told P's engine id, side channel and sizes.
+        p.behavior.delay = 0.4
+        status, data, headers = await post(c, "/v1/chat/completions", dict(CHAT, stream=True))
+        assert status == 200 and data == d.records[1].sent
+        prec, drec = p.records[1], d.records[1]
+        assert drec.start < prec.start + 0.3, "legs did not overlap"
+        assert prec.kv == PULL_PREFILL_PARAMS
+        assert drec.kv == {"do_remote_prefill": True, "do_remote_decode": False,
+                           "remote_engine_id": "engine-p0", "remote_host": "127.0.0.1",
+                           "remote_port": KV_BASE_PORT, "tp_size": 1, "pp_size": 1}
+        # NixlPushConnector pairs the legs by request id: same header, same endpoint.
+        assert prec.request_id == drec.request_id == headers["x-request-id"]
+        assert prec.path == drec.path == "/v1/chat/completions"
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_upstream_push_with_configured_engine_id_is_concurrent_at_once():
+    async with cluster(mode="upstream-push", prefill_opts=",engine_id=eng-x,tp=2") as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay = 0.4
+        assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        assert d.records[0].start < p.records[0].start + 0.3
+        assert d.records[0].kv["remote_engine_id"] == "eng-x"
+        assert d.records[0].kv["tp_size"] == 2
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+# -- backend selection -------------------------------------------------------------------------
+
+
+async def test_least_outstanding_spreads_concurrent_requests():
+    async with cluster(n_p=2, n_d=2) as c:
+        for f in c.prefills + c.decodes:
+            f.behavior.delay = 0.3
+        results = await asyncio.gather(*(post(c, "/v1/completions", COMPLETION) for _ in range(4)))
+        assert all(r[0] == 200 for r in results)
+        assert [len(f.records) for f in c.prefills + c.decodes] == [2, 2, 2, 2]
+        # Each request's legs carry one transfer id, and the D leg names its own P's channel.
+        for d in c.decodes:
+            for rec in d.records:
+                (prec,) = [r for p in c.prefills for r in p.records
+                           if r.request_id == rec.request_id]
+                owner = next(i for i, p in enumerate(c.prefills) if prec in p.records)
+                assert rec.kv["remote_port"] == KV_BASE_PORT + owner
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_busy_decode_is_avoided():
+    async with cluster(n_d=2) as c:
+        d0, d1 = c.decodes
+        d0.behavior.delay = 1.0  # the first request lands on d0 (round robin) and stays there
+        slow = asyncio.ensure_future(post(c, "/v1/completions", COMPLETION))
+        await eventually(lambda: len(d0.records) == 1, "slow request to reach d0")
+        for _ in range(3):  # d0 has 1 outstanding, d1 none: all go to d1
+            assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        assert (len(d0.records), len(d1.records)) == (1, 3)
+        assert (await slow)[0] == 200
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_error_cancels_decode(stream: bool):
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay, p.behavior.fail_status = 0.1, 500
+        d.behavior.delay = 5.0  # D waits for KV that never comes
+        t0 = time.monotonic()
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream))
+        assert time.monotonic() - t0 < 2
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert "p0 failed" in err["message"] and err["type"] == "prefill_error"
+        assert err["code"] == 500
+        await eventually(lambda: bool(d.records) and d.records[0].disconnected,
+                         "D leg to be cancelled")
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_decode_down_gives_502_and_cancels_prefill():
+    async with cluster(dead_decode=True) as c:
+        (p,) = c.prefills
+        p.behavior.delay = 5.0
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 502
+        err = r.json()["error"]
+        assert err["type"] == "decode_error" and err["code"] == 502
+        assert "cannot connect" in err["message"]
+        # Depending on how fast D's connection is refused, the P request is cancelled before or
+        # after it reached P; either way P must not keep working on it.
+        await eventually(lambda: all_idle(c), "router to be idle")
+        await eventually(lambda: all(rec.disconnected for rec in p.records), "P leg cancelled")
+        health = await c.client.get("/health", params={"probe": "1"})
+        assert health.status_code == 503 and health.json()["decode"][0]["healthy"] is False
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "connect"), ("leg", "decode")))] == 1
+
+
+async def test_client_disconnect_mid_stream_cancels_both_legs():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay = 10.0  # still prefilling when the client leaves
+        d.behavior.n_chunks, d.behavior.chunk_interval = 200, 0.05
+        async with c.client.stream("POST", "/v1/completions",
+                                   json=dict(COMPLETION, stream=True)) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_bytes():
+                assert chunk.startswith(b"data: ")
+                break
+        await eventually(lambda: bool(p.records) and p.records[0].disconnected, "P cancelled")
+        await eventually(lambda: d.records[0].disconnected, "D cancelled")
+        await eventually(lambda: all_idle(c), "router to be idle")
+        m = await c.metrics()
+        key = ("kv_push_router_requests_total", (("endpoint", "/v1/completions"),
+                                                 ("mode", "push"),
+                                                 ("outcome", "client_disconnect")))
+        assert m.get(key) == 1
+
+
+async def test_client_disconnect_before_response_cancels_both_legs():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.delay = d.behavior.delay = 10.0
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            await c.client.post("/v1/completions", json=COMPLETION, timeout=0.3)
+        await eventually(lambda: bool(p.records) and p.records[0].disconnected, "P cancelled")
+        await eventually(lambda: bool(d.records) and d.records[0].disconnected, "D cancelled")
+        await eventually(lambda: all_idle(c), "router to be idle")
+        m = await c.metrics()
+        assert m[("kv_push_router_requests_total", (("endpoint", "/v1/completions"),
+                  ("mode", "push"), ("outcome", "client_disconnect")))] == 1
+
+
+async def test_bad_json_is_400():
+    async with cluster() as c:
+        r = await c.client.post("/v1/completions", content=b"not json",
+                                headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert not c.prefills[0].records and not c.decodes[0].records
+
+
+# -- metrics, health, models -------------------------------------------------------------------
+
+
+async def test_metrics_health_and_models():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        for _ in range(2):
+            assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        p.behavior.fail_status = 503
+        d.behavior.delay = 2.0
+        assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 503
+        await eventually(lambda: all_idle(c), "router to be idle")
+        m = await c.metrics()
+        req = "kv_push_router_requests_total"
+        labels = (("endpoint", "/v1/completions"), ("mode", "push"))
+        assert m[(req, labels + (("outcome", "ok"),))] == 2
+        assert m[(req, labels + (("outcome", "prefill_error"),))] == 1
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "http_5xx"), ("leg", "prefill")))] == 1
+        assert m[("kv_push_router_e2e_latency_seconds_count", labels)] == 3
+        assert m[("kv_push_router_decode_ttfb_seconds_count", labels)] == 2
+        for role, f in (("prefill", p), ("decode", d)):
+            url = (c.router.prefill_pool if role == "prefill" else c.router.decode_pool
+                   ).backends[0].url
+            assert m[("kv_push_router_outstanding_requests",
+                      (("backend", url), ("role", role)))] == 0
+
+        h = await c.client.get("/health")
+        assert h.status_code == 200
+        info = h.json()
+        assert info["status"] == "ok" and info["mode"] == "push"
+        assert info["prefill"][0]["kv"] == f"127.0.0.1:{KV_BASE_PORT}"
+        assert info["prefill"][0]["outstanding"] == 0 and len(info["decode"]) == 1
+        probed = await c.client.get("/health", params={"probe": "true"})
+        assert probed.status_code == 200
+        assert all(b["healthy"] for b in probed.json()["prefill"] + probed.json()["decode"])
+
+        models = await c.client.get("/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "d0"
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
+    cfg, _ = parse_args(["--prefill", "http://p:8100/,kv=10.0.0.1:5600", "--prefill",
+                         "http://q:8100,kv=[::1]:5601", "--decode", "http://d:8200",
+                         "--mode", "pull", "--timeout", "30"])
+    assert cfg.mode == "pull" and cfg.timeout == 30 and cfg.port == 8000
+    assert cfg.host == "127.0.0.1" and cfg.decode == ("http://d:8200",)
+    assert [(s.url, s.kv_host, s.kv_port) for s in cfg.prefill] == [
+        ("http://p:8100", "10.0.0.1", 5600), ("http://q:8100", "::1", 5601)]
+    with pytest.raises(Exception):
+        cfg.mode = "push"  # type: ignore[misc]  # frozen
+
+    bad = {
+        ("--prefill", "http://p:1", "--decode", "http://d:2"): "kv=HOST:PORT",
+        ("--prefill", "http://p:1,kv=h:port", "--decode", "http://d:2"): "port",
+        ("--prefill", "p:1,kv=h:2", "--decode", "http://d:2"): "http(s)://",
+        ("--prefill", "http://p:1,kv=h:2,color=red", "--decode", "http://d:2"): "unknown option",
+        ("--prefill", "http://p:1,kv=h:2"): "--decode",
+        ("--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2", "--mode", "x"): "--mode",
+        ("--prefill", "http://p:1,kv=h:2", "--decode", "http://p:1"): "more than once",
+    }
+    for argv, needle in bad.items():
+        with pytest.raises(SystemExit) as exc_info:
+            parse_args(list(argv))
+        assert exc_info.value.code == 2
+        assert needle in capsys.readouterr().err, argv
+
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
+        parse_prefill_spec("http://p:1,kv=nohost")
+    assert parse_prefill_spec("http://p:1").kv is None  # fine for pull mode
+    with pytest.raises(ValueError, match="needs kv=HOST:PORT"):
+        RouterConfig(prefill=(parse_prefill_spec("http://p:1"),), decode=("http://d:2",))

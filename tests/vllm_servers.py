@@ -1,0 +1,135 @@
+"""Start and stop real ``vllm serve`` processes (CPU build) and our router for end-to-end tests.
+
+Servers run with the Python of a given virtual environment (so one suite can test several vLLM
+versions), each pinned to its own core, with the settings measured in shared/notes/vllm-on-cpu.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(10)
+        self._log.close()
+
+    def kill9(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_dir: Path,
+                kv_role: str | None = None, kv_port: int | None = None, connector: str = "push",
+                extra_config: dict | None = None, extra_env: dict | None = None,
+                max_model_len: int = 1024) -> Server:
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
+            "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+           "KV_PUSH_BACKEND": "host", "PYTHONUNBUFFERED": "1"}
+    if kv_role is not None:
+        if connector == "push":
+            cfg = {"kv_connector": "KVPushConnector",
+                   "kv_connector_module_path": "kv_push.common.connector",
+                   "kv_role": kv_role, "kv_buffer_device": "cpu",
+                   "kv_connector_extra_config": {"side_channel_port": kv_port,
+                                                 **(extra_config or {})}}
+        else:  # vLLM's own connectors: NixlConnector (pull) or NixlPushConnector
+            cfg = {"kv_connector": connector, "kv_role": kv_role, "kv_buffer_device": "cpu",
+                   "kv_connector_extra_config": extra_config or {}}
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv_port)
+        argv += ["--kv-transfer-config", json.dumps(cfg)]
+    env.update(extra_env or {})
+    return Server(name, argv, env, port, log_dir)
+
+
+def router(*, python: str, port: int, prefill: list[tuple[str, int]], decode: list[str],
+           log_dir: Path, mode: str = "push", name: str = "router") -> Server:
+    argv = [python, "-m", "kv_push.common.router", "--host", "127.0.0.1", "--port", str(port),
+            "--mode", mode]
+    for url, kv_port in prefill:
+        argv += ["--prefill", f"{url},kv=127.0.0.1:{kv_port}"]
+    for url in decode:
+        argv += ["--decode", url]
+    return Server(name, argv, {"PYTHONUNBUFFERED": "1"}, port, log_dir)
+
+
+def build_tiny_model(out: Path) -> Path:
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), str(out)],
+                   check=True, capture_output=True)
+    return out
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples matching ``labels`` (0 when absent)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
