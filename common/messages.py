@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from typing import Union
 
 import msgspec
@@ -144,11 +145,21 @@ class MessageRejected(ValueError):
         self.detail = detail
 
 
+_CLASS_REPR = re.compile(r"<class '(?:\w+\.)*(\w+)'>")
+
+
+def _class_name(m: re.Match) -> str:
+    return m.group(1)
+
+
 def _compat_hash() -> str:
     parts = [str(PROTOCOL_VERSION)]
     for cls in (KVGeometry, *Message.__args__):  # type: ignore[attr-defined]
         info = msgspec.inspect.type_info(cls)
-        fields = ",".join(f"{f.name}:{f.type!r}" for f in info.fields)
+        # a nested struct's repr names its class by module path, which is not part of the wire
+        # format (``kv_push.common.geometry`` installed, ``common.geometry`` from a checkout)
+        fields = ",".join(f"{f.name}:{_CLASS_REPR.sub(_class_name, repr(f.type))}"
+                          for f in info.fields)
         parts.append(f"{cls.__name__}[{getattr(info, 'tag', '')}]({fields})")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

@@ -111,6 +111,9 @@ class TransferThread:
         """Run ``fn`` on the transfer thread and wait for its result (not for the engine loop)."""
         if threading.current_thread() is self._thread:
             return fn()
+        if self._closed or (self._thread.ident is not None and not self._thread.is_alive()):
+            # nothing would ever run it: fail now rather than after ``timeout``
+            raise RuntimeError("kv_push transfer thread closed")
         fut: Future = Future()
         self._inbox.put((time.monotonic(), fn, fut))
         self._wake.set()
@@ -230,6 +233,8 @@ class TransferThread:
         for peer in list(self.peers.values()):
             if now - peer.last_heard > timeout:
                 self.counters.inc("peers_dead")
+                # if it is only slow, it forgets us too rather than talk to a side that ignores it
+                self.send(peer.agent_name, Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank))
                 self.drop_peer(peer, f"silent for {now - peer.last_heard:.2f}s")
 
     def _guard(self, fn: Callable, *args: Any, context: str) -> None:

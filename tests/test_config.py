@@ -1,0 +1,181 @@
+"""Tests for kv_push.common.config: one frozen PushConfig from defaults, a dict and the env."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kv_push.common.config import ConfigError, PushConfig
+
+ENV_VARS = ("KV_PUSH_SECRET", "KV_PUSH_SIDE_CHANNEL_HOST", "KV_PUSH_SIDE_CHANNEL_PORT",
+            "KV_PUSH_BACKEND")
+
+# field -> [(value as given in kv_connector_extra_config, value expected in PushConfig)]
+SETTABLE = {
+    "side_channel_host": [("10.1.2.3", "10.1.2.3"), ("node-7.cluster", "node-7.cluster")],
+    "side_channel_port": [("6000", 6000), (6001, 6001), (6002.0, 6002), ("0", 0),
+                          ("65535", 65535)],
+    "backend": [("host", "host"), ("cuda", "cuda"), ("neuron", "neuron"), ("", "")],
+    "nixl_backends": [("UCX", ("UCX",)), ("LIBFABRIC", ("LIBFABRIC",)),
+                      ("UCX,LIBFABRIC", ("UCX", "LIBFABRIC")),
+                      (" LIBFABRIC , UCX ", ("LIBFABRIC", "UCX")),
+                      (["LIBFABRIC"], ("LIBFABRIC",)), (("UCX", "LIBFABRIC"), ("UCX", "LIBFABRIC"))],
+    "heartbeat_interval_s": [("0.25", 0.25), (2, 2.0), ("3", 3.0)],
+    "rendezvous_ttl_s": [("30", 30.0), (45.5, 45.5)],
+    "transfer_timeout_s": [("12.5", 12.5), (1, 1.0)],
+    "handshake_timeout_s": [("2", 2.0), (0.5, 0.5)],
+    "secret": [("s3cret", b"s3cret"), (b"\x00\xffraw", b"\x00\xffraw"), ("ключ", "ключ".encode()),
+               (bytearray(b"ba"), b"ba")],
+    "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
+                  ("false", False), ("No", False), ("0", False), (False, False)],
+    "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
+}
+
+
+def test_table_covers_every_field():
+    assert set(SETTABLE) == {f.name for f in dataclasses.fields(PushConfig)}
+
+
+def test_defaults_are_valid():
+    c = PushConfig()
+    assert c.validate() is c
+    assert PushConfig.from_sources(None, env={}) == c
+    assert PushConfig.from_sources({}, env={}) == c
+    assert c.secret == b""
+    assert c.peer_timeout_s == 1.5 * c.heartbeat_interval_s
+
+
+def test_frozen():
+    c = PushConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.side_channel_port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "key,raw,want", [(k, raw, want) for k, cases in SETTABLE.items() for raw, want in cases],
+    ids=lambda v: repr(v)[:30],
+)
+def test_every_field_settable_with_coercion(key, raw, want):
+    c = PushConfig.from_sources({key: raw}, env={})
+    got = getattr(c, key)
+    assert got == want
+    assert type(got) is type(want)
+    # nothing else moved
+    others = {f.name for f in dataclasses.fields(PushConfig)} - {key}
+    assert all(getattr(c, k) == getattr(PushConfig(), k) for k in others)
+
+
+def test_all_fields_at_once():
+    extra = {k: cases[0][0] for k, cases in SETTABLE.items()}
+    c = PushConfig.from_sources(extra, env={})
+    for k, cases in SETTABLE.items():
+        assert getattr(c, k) == cases[0][1], k
+
+
+def test_secret_not_in_repr():
+    c = PushConfig.from_sources({"secret": "hunter2-very-secret"}, env={})
+    assert "hunter2" not in repr(c)
+
+
+@pytest.mark.parametrize("key", ["side_chanel_port", "heartbeat_interval", "SECRET", "", "tp_size"])
+def test_unknown_key_is_named(key):
+    with pytest.raises(ConfigError) as e:
+        PushConfig.from_sources({"backend": "host", key: 1}, env={})
+    assert repr(key) in str(e.value)
+
+
+@pytest.mark.parametrize("key,raw", [
+    ("heartbeat_interval_s", -1),
+    ("heartbeat_interval_s", 0),
+    ("heartbeat_interval_s", "0"),
+    ("heartbeat_interval_s", "nan"),
+    ("heartbeat_interval_s", "fast"),
+    ("rendezvous_ttl_s", -5),
+    ("transfer_timeout_s", "-0.1"),
+    ("handshake_timeout_s", 0.0),
+    ("idle_poll_s", -0.001),
+    ("idle_poll_s", None),
+    ("side_channel_port", -1),
+    ("side_channel_port", 65536),
+    ("side_channel_port", "70000"),
+    ("side_channel_port", "port"),
+    ("side_channel_port", "5600.5"),
+    ("side_channel_port", 5600.5),
+    ("side_channel_port", None),
+    ("backend", "tpu"),
+    ("backend", "CUDA"),
+    ("nixl_backends", "GDS"),
+    ("nixl_backends", "UCX,MOONCAKE"),
+    ("nixl_backends", ["UCX", "TCP"]),
+    ("nixl_backends", 5),
+    ("colocated", "maybe"),
+    ("colocated", "2"),
+    ("colocated", ""),
+    ("secret", 1234),
+    ("secret", None),
+], ids=repr)
+def test_bad_values_raise_config_error_naming_the_key(key, raw):
+    with pytest.raises(ConfigError) as e:
+        PushConfig.from_sources({key: raw}, env={})
+    assert key in str(e.value)
+
+
+def test_validate_catches_direct_construction():
+    with pytest.raises(ConfigError, match="heartbeat_interval_s"):
+        PushConfig(heartbeat_interval_s=-1.0).validate()
+    with pytest.raises(ConfigError, match="side_channel_port"):
+        PushConfig(side_channel_port=1 << 16).validate()
+    with pytest.raises(ConfigError, match="nixl_backends"):
+        PushConfig(nixl_backends=("UCX", "ucx")).validate()
+
+
+def test_env_overrides_win_over_dict():
+    extra = {"secret": "from-dict", "side_channel_host": "dict-host", "side_channel_port": 1111,
+             "backend": "host"}
+    env = {"KV_PUSH_SECRET": "from-env", "KV_PUSH_SIDE_CHANNEL_HOST": "env-host",
+           "KV_PUSH_SIDE_CHANNEL_PORT": "2222", "KV_PUSH_BACKEND": "neuron",
+           "KV_PUSH_HEARTBEAT_INTERVAL_S": "99", "UNRELATED": "x"}
+    c = PushConfig.from_sources(extra, env=env)
+    assert (c.secret, c.side_channel_host, c.side_channel_port, c.backend) == (
+        b"from-env", "env-host", 2222, "neuron")
+    assert c.heartbeat_interval_s == PushConfig().heartbeat_interval_s  # not an override
+
+
+def test_env_alone_and_empty_env_ignored():
+    c = PushConfig.from_sources({}, env={"KV_PUSH_SECRET": "k", "KV_PUSH_BACKEND": "cuda"})
+    assert (c.secret, c.backend) == (b"k", "cuda")
+    # an empty variable does not override the dict
+    c = PushConfig.from_sources({"backend": "host", "secret": "d"},
+                                env={"KV_PUSH_BACKEND": "", "KV_PUSH_SECRET": ""})
+    assert (c.backend, c.secret) == ("host", b"d")
+
+
+def test_reads_os_environ_by_default(monkeypatch):
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KV_PUSH_SECRET", "os-secret")
+    monkeypatch.setenv("KV_PUSH_SIDE_CHANNEL_PORT", "7000")
+    c = PushConfig.from_sources({"side_channel_port": 1})
+    assert (c.secret, c.side_channel_port) == (b"os-secret", 7000)
+    # an explicit env mapping replaces os.environ entirely
+    assert PushConfig.from_sources({}, env={}).secret == b""
+
+
+@pytest.mark.parametrize("var,value,field_name", [
+    ("KV_PUSH_SIDE_CHANNEL_PORT", "not-a-port", "KV_PUSH_SIDE_CHANNEL_PORT"),
+    ("KV_PUSH_SIDE_CHANNEL_PORT", "99999", "side_channel_port"),
+    ("KV_PUSH_BACKEND", "tpu", "backend"),
+])
+def test_bad_env_values(var, value, field_name):
+    with pytest.raises(ConfigError) as e:
+        PushConfig.from_sources({}, env={var: value})
+    assert field_name in str(e.value)
+
+
+@pytest.mark.parametrize("interval", ["0.1", 1, "2.5"])
+def test_peer_timeout_derived(interval):
+    c = PushConfig.from_sources({"heartbeat_interval_s": interval}, env={})
+    assert c.peer_timeout_s == pytest.approx(1.5 * float(interval))
+    with pytest.raises(ConfigError, match="peer_timeout_s"):
+        PushConfig.from_sources({"peer_timeout_s": 3}, env={})  # derived, not settable

@@ -1,0 +1,603 @@
+"""Tests for kv_push.common.messages: framing, authentication, semantic checks, and a fuzz run.
+
+The central property: ``Codec.decode`` either returns a message of a known type (which then
+satisfies the semantic invariants) or raises ``MessageRejected`` with a known ``reason``; it
+never raises anything else, whatever bytes arrive.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import os
+import re
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Union
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kv_push.common import geometry as G
+from kv_push.common import messages as M
+from kv_push.common.geometry import KVGeometry
+from kv_push.common.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    Codec,
+    Envelope,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    MessageRejected,
+    Refused,
+    Register,
+    TransferFailed,
+    Welcome,
+    WriteDone,
+    geometry_digest,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = b"correct horse battery staple"
+MESSAGE_TYPES = tuple(M.Message.__args__)  # type: ignore[attr-defined]
+KNOWN_REASONS = {"malformed", "version", "unauthenticated", "bad_mac", "oversize", "invalid"}
+
+
+def make_geometry(**overrides) -> KVGeometry:
+    g = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=4, head_size=8,
+                 dtype_bytes=2, dtype="bfloat16", block_size=16, num_blocks=32, tp_size=2,
+                 tp_rank=1)
+    return msgspec.structs.replace(g, **overrides) if overrides else g
+
+
+GEOM = make_geometry()
+DIGEST = geometry_digest(GEOM)
+
+
+def sample_messages() -> list[M.Message]:
+    """One (or more) instance of every message type, with non-trivial field values."""
+    return [
+        Hello(engine_id="dec-0", agent_name="agent-d0", agent_metadata=b"\x00\x01meta\xff",
+              geometry=GEOM, compat_hash=M.COMPAT_HASH),
+        Welcome(engine_id="pre-0", agent_name="agent-p0", agent_metadata=b"\xfe" * 300,
+                geometry=make_geometry(tp_rank=0, token_order="HND"), compat_hash=M.COMPAT_HASH,
+                side_channel_ports=(5600, 5601)),
+        Refused(reason="incompatible: geometry ünïcode"),
+        Register(transfer_id="tid-1", attempt=3, engine_id="dec-0", tp_rank=1,
+                 block_ids=(7, 0, 31, 2), first_token=16, num_tokens=70, geometry_digest=DIGEST),
+        Register(transfer_id="t", attempt=0, engine_id="", tp_rank=0, block_ids=(),
+                 first_token=0, num_tokens=0, geometry_digest=""),
+        WriteDone(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
+                  num_bytes=1 << 40),
+        Cancel(transfer_id="tid-1", attempt=2, engine_id="dec-0", tp_rank=1, reason="aborted"),
+        CancelAck(transfer_id="tid-1", attempt=2, engine_id="pre-0", tp_rank=0),
+        TransferFailed(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
+                       reason="WRITE failed"),
+        Heartbeat(engine_id="pre-0", tp_rank=0, seq=2**63 - 1),
+        Goodbye(engine_id="dec-0", tp_rank=1),
+    ]
+
+
+def test_samples_cover_every_message_type():
+    assert {type(m) for m in sample_messages()} == set(MESSAGE_TYPES)
+    assert len(MESSAGE_TYPES) == 10
+
+
+def reason_of(codec: Codec, data) -> str:
+    with pytest.raises(MessageRejected) as info:
+        codec.decode(data)
+    assert info.value.reason in KNOWN_REASONS
+    return info.value.reason
+
+
+def envelope(version: int, body: bytes, mac: bytes | None = None) -> bytes:
+    fields = [version, body] if mac is None else [version, body, mac]
+    return msgspec.msgpack.encode(fields)
+
+
+def body_of(msg) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+def mac_of(body: bytes, secret: bytes = SECRET) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "hmac"])
+@pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
+def test_round_trip(msg, secret):
+    codec = Codec(secret)
+    assert codec.authenticated is (secret is not None)
+    frame = codec.encode(msg)
+    assert isinstance(frame, bytes)
+    out = codec.decode(frame)
+    assert type(out) is type(msg)
+    assert out == msg
+    # buffers other than bytes decode the same
+    assert codec.decode(bytearray(frame)) == msg
+    assert codec.decode(memoryview(frame)) == msg
+    env = msgspec.msgpack.decode(frame, type=Envelope)
+    assert env.version == PROTOCOL_VERSION
+    assert env.mac == (mac_of(env.body) if secret else b"")
+
+
+def test_empty_secret_means_unauthenticated():
+    codec = Codec(b"")
+    assert not codec.authenticated
+    env = msgspec.msgpack.decode(codec.encode(sample_messages()[-1]), type=Envelope)
+    assert env.mac == b""
+
+
+def test_receiver_without_secret_accepts_maced_messages():
+    plain = Codec()
+    for msg in sample_messages():
+        assert plain.decode(Codec(SECRET).encode(msg)) == msg
+
+
+# -- compatibility hash and geometry digest --------------------------------------------------------
+
+
+def test_compat_hash_shape_and_stability():
+    h = M._compat_hash()
+    assert re.fullmatch(r"[0-9a-f]{16}", h)
+    assert h == M._compat_hash() == M.COMPAT_HASH
+
+
+def test_compat_hash_changes_with_struct_fields_and_version(monkeypatch):
+    base = M._compat_hash()
+
+    class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):  # noqa: F811
+        engine_id: str
+        tp_rank: int
+        seq: int
+        extra: int = 0
+
+    args = tuple(Heartbeat if c is M.Heartbeat else c for c in MESSAGE_TYPES)
+    monkeypatch.setattr(M, "Message", Union[args])  # type: ignore[valid-type]
+    changed_field = M._compat_hash()
+    assert changed_field != base
+
+    class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):  # noqa: F811
+        engine_id: str
+        tp_rank: int
+        seq: str  # same name, other type
+
+    args = tuple(Heartbeat if c is M.Heartbeat else c for c in MESSAGE_TYPES)
+    monkeypatch.setattr(M, "Message", Union[args])  # type: ignore[valid-type]
+    changed_type = M._compat_hash()
+    assert changed_type not in (base, changed_field)
+
+    class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True, kw_only=True):  # noqa: F811
+        engine_id: str
+        tp_rank: int
+        seq: int
+
+    args = tuple(Heartbeat if c is M.Heartbeat else c for c in MESSAGE_TYPES)
+    monkeypatch.setattr(M, "Message", Union[args])  # type: ignore[valid-type]
+    assert M._compat_hash() not in (base, changed_field, changed_type)
+
+    monkeypatch.setattr(M, "Message", Union[MESSAGE_TYPES])  # type: ignore[valid-type]
+    assert M._compat_hash() == base
+    monkeypatch.setattr(M, "PROTOCOL_VERSION", PROTOCOL_VERSION + 1)
+    assert M._compat_hash() != base
+
+
+def test_compat_hash_same_in_another_process_and_under_another_import_path():
+    """The hash names the wire format: it must not depend on the process or on the module path
+    the package was imported under (an installed ``kv_push.common`` vs a source checkout's
+    ``common``), or two identical installs refuse each other's handshake."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "import common.messages as a, kv_push.common.messages as b;"
+        "print(a.COMPAT_HASH, b.COMPAT_HASH)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True,
+                         check=True, cwd=str(REPO / "tests"),
+                         env={**os.environ, "PYTHONHASHSEED": "123"}).stdout.split()
+    assert out == [M.COMPAT_HASH, M.COMPAT_HASH]
+
+
+def test_geometry_digest():
+    d = geometry_digest(GEOM)
+    assert re.fullmatch(r"[0-9a-f]{16}", d)
+    assert d == geometry_digest(make_geometry())  # equal geometries, equal digests
+    others = [
+        make_geometry(tp_rank=0),
+        make_geometry(num_blocks=33),
+        make_geometry(token_order="HND"),
+        make_geometry(k_bases=(GEOM.k_bases[0] + 1, GEOM.k_bases[1])),
+        make_geometry(mem_type="VRAM"),
+        make_geometry(dev_id=1),
+        make_geometry(dtype="float16"),
+    ]
+    digests = {geometry_digest(g) for g in others}
+    assert d not in digests
+    assert len(digests) == len(others)
+
+
+# -- rejections ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, -1, 2**63 - 1])
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "hmac"])
+def test_version_mismatch(version, secret):
+    body = body_of(Heartbeat(engine_id="e", tp_rank=0, seq=1))
+    assert reason_of(Codec(secret), envelope(version, body, mac_of(body))) == "version"
+    assert reason_of(Codec(secret), envelope(version, body)) == "version"
+
+
+def test_secret_configured_but_no_mac():
+    codec = Codec(SECRET)
+    for msg in sample_messages():
+        assert reason_of(codec, Codec().encode(msg)) == "unauthenticated"
+        assert reason_of(codec, envelope(PROTOCOL_VERSION, body_of(msg))) == "unauthenticated"
+
+
+def test_wrong_mac_and_tampered_body():
+    codec = Codec(SECRET)
+    for msg in sample_messages():
+        # signed with another key
+        assert reason_of(codec, Codec(b"another key").encode(msg)) == "bad_mac"
+        env = msgspec.msgpack.decode(codec.encode(msg), type=Envelope)
+        # MAC truncated, flipped, or for a different body
+        assert reason_of(codec, envelope(env.version, env.body, env.mac[:16])) == "bad_mac"
+        flipped = bytes([env.mac[0] ^ 1]) + env.mac[1:]
+        assert reason_of(codec, envelope(env.version, env.body, flipped)) == "bad_mac"
+        # body tampered with, MAC kept: every single-byte change is caught
+        for i in range(0, len(env.body), max(1, len(env.body) // 16)):
+            body = bytearray(env.body)
+            body[i] ^= 0x20
+            assert reason_of(codec, envelope(env.version, bytes(body), env.mac)) == "bad_mac"
+    # a forged Register with the right shape but without the key
+    forged = body_of(Register(transfer_id="x", attempt=9, engine_id="evil", tp_rank=0,
+                              block_ids=(1,), first_token=0, num_tokens=1, geometry_digest=""))
+    assert reason_of(codec, envelope(PROTOCOL_VERSION, forged, mac_of(forged, b"guess"))) == "bad_mac"
+
+
+def test_authentication_precedes_body_parsing():
+    """With a secret, an unauthenticated frame is rejected as such even if its body is junk."""
+    codec = Codec(SECRET)
+    assert reason_of(codec, envelope(PROTOCOL_VERSION, b"\xc1junk")) == "unauthenticated"
+    assert reason_of(codec, envelope(PROTOCOL_VERSION, b"\xc1junk", b"x" * 32)) == "bad_mac"
+    junk = b"\xc1junk"
+    assert reason_of(codec, envelope(PROTOCOL_VERSION, junk, mac_of(junk))) == "malformed"
+
+
+def test_oversize():
+    big = Hello(engine_id="d", agent_name="a", agent_metadata=b"m" * MAX_MESSAGE_BYTES,
+                geometry=GEOM, compat_hash=M.COMPAT_HASH)
+    for codec in (Codec(), Codec(SECRET)):
+        frame = codec.encode(big)
+        assert len(frame) > MAX_MESSAGE_BYTES
+        assert reason_of(codec, frame) == "oversize"
+        assert reason_of(codec, b"\x00" * (MAX_MESSAGE_BYTES + 1)) == "oversize"
+    # just under the limit still decodes
+    fits = Hello(engine_id="d", agent_name="a", agent_metadata=b"m" * (MAX_MESSAGE_BYTES - 2048),
+                 geometry=GEOM, compat_hash=M.COMPAT_HASH)
+    assert Codec().decode(Codec().encode(fits)) == fits
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01", b"\x94\x01\xc4\x00\xc4\x00\x00",
+    b"\x80", b"\x93\x01\xa1x\xc4\x00", b"\x93\xa11\xc4\x00\xc4\x00", b"not msgpack at all",
+    envelope(PROTOCOL_VERSION, b""), envelope(PROTOCOL_VERSION, b"\x80"),
+    envelope(PROTOCOL_VERSION, msgspec.msgpack.encode({"type": "nope"})),
+    envelope(PROTOCOL_VERSION, msgspec.msgpack.encode({"type": "hb", "engine_id": "e"})),
+    envelope(PROTOCOL_VERSION, msgspec.msgpack.encode(
+        {"type": "hb", "engine_id": "e", "tp_rank": "0", "seq": 1})),
+    envelope(PROTOCOL_VERSION, body_of(Goodbye(engine_id="e", tp_rank=0)) + b"\x00"),
+], ids=repr)
+def test_malformed(data):
+    assert reason_of(Codec(), data) == "malformed"
+
+
+@pytest.mark.parametrize("data", ["a string", None, 42, ["list"]], ids=repr)
+def test_not_bytes_is_malformed(data):
+    assert reason_of(Codec(), data) == "malformed"
+
+
+def test_every_proper_prefix_of_a_frame_is_malformed():
+    for secret in (None, SECRET):
+        codec = Codec(secret)
+        for msg in sample_messages():
+            frame = codec.encode(msg)
+            for n in range(len(frame)):
+                assert reason_of(codec, frame[:n]) == "malformed"
+
+
+REG = Register(transfer_id="t", attempt=0, engine_id="d", tp_rank=0, block_ids=(0, 1),
+               first_token=0, num_tokens=20, geometry_digest=DIGEST)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(block_ids=(0, -1)),
+    dict(block_ids=(-(2**63),)),
+    dict(first_token=21),
+    dict(first_token=-1),
+    dict(first_token=5, num_tokens=4),
+    dict(num_tokens=-1, first_token=0),
+    dict(attempt=-1),
+    dict(transfer_id=""),
+], ids=repr)
+def test_invalid_register(changes):
+    msg = msgspec.structs.replace(REG, **changes)
+    for secret in (None, SECRET):
+        assert reason_of(Codec(secret), Codec(secret).encode(msg)) == "invalid"
+
+
+def test_valid_register_edges():
+    for changes in (dict(first_token=20), dict(block_ids=()), dict(attempt=2**63 - 1)):
+        msg = msgspec.structs.replace(REG, **changes)
+        assert Codec().decode(Codec().encode(msg)) == msg
+
+
+BAD_GEOMETRIES = [
+    dict(num_layers=0, k_bases=(), v_bases=()),
+    dict(num_kv_heads=0),
+    dict(head_size=-8),
+    dict(dtype_bytes=0),
+    dict(block_size=0),
+    dict(tp_size=0),
+    dict(tp_rank=2),
+    dict(tp_rank=-1),
+    dict(num_blocks=0),
+    dict(num_kv_heads=3),  # 3 heads over TP 2
+    dict(tp_size=3, tp_rank=0),  # 4 heads over TP 3
+    dict(kv_parts=3),
+    dict(kv_parts=1),  # with V bases still present
+    dict(k_bases=(1,)),
+    dict(v_bases=(1, 2, 3)),
+    dict(block_stride=1),
+    dict(mem_type="HBM"),
+]
+
+
+@pytest.mark.parametrize("changes", BAD_GEOMETRIES, ids=repr)
+@pytest.mark.parametrize("kind", ["hello", "welcome"])
+def test_bad_geometry_in_handshake_is_invalid(changes, kind):
+    g = make_geometry(**changes)
+    with pytest.raises(ValueError):
+        g.validate()
+    if kind == "hello":
+        msg = Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=g,
+                    compat_hash=M.COMPAT_HASH)
+    else:
+        msg = Welcome(engine_id="p", agent_name="a", agent_metadata=b"", geometry=g,
+                      compat_hash=M.COMPAT_HASH, side_channel_ports=(1,))
+    assert reason_of(Codec(SECRET), Codec(SECRET).encode(msg)) == "invalid"
+
+
+def test_bad_token_order_is_malformed():
+    body = msgspec.msgpack.decode(body_of(sample_messages()[0]))
+    body["geometry"]["token_order"] = "XYZ"
+    assert reason_of(Codec(), envelope(PROTOCOL_VERSION, msgspec.msgpack.encode(body))) == "malformed"
+
+
+def test_rejection_carries_reason_and_detail():
+    e = MessageRejected("bad_mac", "MAC does not match")
+    assert isinstance(e, ValueError)
+    assert (e.reason, e.detail, str(e)) == ("bad_mac", "MAC does not match",
+                                            "bad_mac: MAC does not match")
+    assert str(MessageRejected("invalid")) == "invalid"
+
+
+# -- fuzzing -------------------------------------------------------------------------------------
+
+
+def oracle_invalid(msg) -> bool:
+    """The semantic rules, restated independently of ``messages._check_sane``."""
+    if isinstance(msg, Register):
+        return (msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token
+                or any(b < 0 for b in msg.block_ids) or msg.transfer_id == "")
+    if isinstance(msg, (Hello, Welcome)):
+        try:
+            msg.geometry.validate()
+        except ValueError:
+            return True
+    return False
+
+
+def classify(codec: Codec, data) -> str:
+    """Decode; return the message's type name or ``rejected:<reason>``. Anything else fails."""
+    try:
+        msg = codec.decode(data)
+    except MessageRejected as e:
+        assert e.reason in KNOWN_REASONS, (e.reason, bytes(data)[:64])
+        return f"rejected:{e.reason}"
+    assert type(msg) in MESSAGE_TYPES, type(msg)
+    assert not oracle_invalid(msg), msg  # what decodes satisfies the semantic invariants
+    assert codec.decode(codec.encode(msg)) == msg  # and re-encodes to itself
+    return type(msg).__name__
+
+
+i64 = st.integers(-(2**63), 2**63 - 1)
+small = st.integers(-3, 70)
+some_int = st.one_of(small, i64)
+text = st.text(max_size=12)
+ids = st.lists(some_int, max_size=6).map(tuple)
+
+geometries = st.builds(
+    KVGeometry,
+    num_layers=st.integers(-1, 3), num_kv_heads=st.integers(-1, 9), head_size=small,
+    dtype_bytes=st.integers(-1, 4), dtype=st.sampled_from(["bfloat16", "float16", ""]),
+    block_size=small, token_order=st.sampled_from(["NHD", "HND"]), tp_size=st.integers(-1, 9),
+    tp_rank=st.integers(-2, 9), num_blocks=small, block_stride=st.one_of(small, i64),
+    k_bases=st.lists(i64, max_size=4).map(tuple), v_bases=st.lists(i64, max_size=4).map(tuple),
+    mem_type=st.sampled_from(["DRAM", "VRAM", "HBM"]), dev_id=small, kv_parts=st.integers(0, 3),
+) | st.just(GEOM) | st.just(make_geometry(tp_rank=0, token_order="HND"))
+
+messages = st.one_of(
+    st.builds(Hello, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
+              geometry=geometries, compat_hash=text),
+    st.builds(Welcome, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
+              geometry=geometries, compat_hash=text,
+              side_channel_ports=st.lists(some_int, max_size=4).map(tuple)),
+    st.builds(Refused, reason=text),
+    st.builds(Register, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
+              block_ids=ids, first_token=some_int, num_tokens=some_int, geometry_digest=text),
+    st.builds(WriteDone, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
+              num_bytes=some_int),
+    st.builds(Cancel, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
+              reason=text),
+    st.builds(CancelAck, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int),
+    st.builds(TransferFailed, transfer_id=text, attempt=some_int, engine_id=text,
+              tp_rank=some_int, reason=text),
+    st.builds(Heartbeat, engine_id=text, tp_rank=some_int, seq=some_int),
+    st.builds(Goodbye, engine_id=text, tp_rank=some_int),
+)
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | i64 | st.floats(allow_nan=False) | text | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
+    max_leaves=12,
+)
+TAGS = ["hello", "welcome", "refused", "reg", "done", "cancel", "cancel_ack", "failed", "hb", "bye"]
+
+
+@settings(max_examples=700, deadline=None, suppress_health_check=list(HealthCheck))
+@given(msg=messages, secret=st.sampled_from([None, SECRET]))
+def test_fuzz_well_typed_messages(msg, secret):
+    """Any well-typed message round-trips, unless it breaks a semantic rule: then "invalid"."""
+    codec = Codec(secret)
+    frame = codec.encode(msg)
+    try:
+        out = codec.decode(frame)
+    except MessageRejected as e:
+        assert e.reason == "invalid" and oracle_invalid(msg), (e, msg)
+    else:
+        assert out == msg and not oracle_invalid(msg)
+
+
+@settings(max_examples=900, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    msg=st.sampled_from(sample_messages()),
+    edits=st.lists(st.tuples(st.sampled_from(["drop", "set", "add", "tag", "geo"]), text,
+                             msgpack_values), max_size=4),
+    secret=st.sampled_from([None, SECRET]),
+    version=st.sampled_from([PROTOCOL_VERSION] * 4 + [0, 2]),
+)
+def test_fuzz_structured_body_mutations(msg, edits, secret, version):
+    """Bodies edited at the msgpack level, then correctly framed and signed: the body decoder and
+    the semantic checks (not the MAC) are what must catch them."""
+    body = msgspec.msgpack.decode(body_of(msg))
+    keys = sorted(body)
+    for op, name, value in edits:
+        key = keys[zlib.crc32(name.encode()) % len(keys)]
+        if op == "drop":
+            body.pop(key, None)
+        elif op == "set":
+            body[key] = value
+        elif op == "add":
+            body[name] = value
+        elif op == "tag":
+            body["type"] = TAGS[len(name) % len(TAGS)] if len(name) % 3 else name
+        elif op == "geo" and isinstance(body.get("geometry"), dict):
+            gkeys = sorted(body["geometry"])
+            body["geometry"][gkeys[zlib.crc32(name.encode()) % len(gkeys)]] = value
+    raw = msgspec.msgpack.encode(body)
+    codec = Codec(secret)
+    outcome = classify(codec, envelope(version, raw, mac_of(raw) if secret else b""))
+    if version != PROTOCOL_VERSION:
+        assert outcome == "rejected:version"
+    else:
+        assert outcome not in ("rejected:unauthenticated", "rejected:bad_mac", "rejected:version")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(items=st.lists(msgpack_values, max_size=5), secret=st.sampled_from([None, SECRET]))
+def test_fuzz_envelope_shapes(items, secret):
+    classify(Codec(secret), msgspec.msgpack.encode(items))
+
+
+def _mutate(rng: np.random.Generator, frame: bytes, pool: list[bytes]) -> bytes:
+    data = bytearray(frame)
+    for _ in range(int(rng.integers(1, 4))):
+        op = int(rng.integers(0, 8))
+        n = len(data)
+        if op == 0 and n:  # bit flip
+            i = int(rng.integers(0, n))
+            data[i] ^= 1 << int(rng.integers(0, 8))
+        elif op == 1 and n:  # byte set to an interesting value
+            data[int(rng.integers(0, n))] = int(rng.choice(
+                [0x00, 0x01, 0x7F, 0x80, 0x90, 0x93, 0xC0, 0xC1, 0xC4, 0xCC, 0xCF, 0xD3, 0xDC,
+                 0xDE, 0xFF]))
+        elif op == 2:  # truncation
+            del data[int(rng.integers(0, n + 1)):]
+        elif op == 3:  # splice: my prefix, another frame's suffix
+            other = pool[int(rng.integers(0, len(pool)))]
+            data = data[: int(rng.integers(0, n + 1))] + other[int(rng.integers(0, len(other) + 1)):]
+        elif op == 4 and n:  # delete a run
+            i = int(rng.integers(0, n))
+            del data[i: i + int(rng.integers(1, 9))]
+        elif op == 5:  # insert random bytes
+            i = int(rng.integers(0, n + 1))
+            data[i:i] = rng.bytes(int(rng.integers(1, 9)))
+        elif op == 6 and n:  # duplicate a run
+            i = int(rng.integers(0, n))
+            data[i:i] = data[i: i + int(rng.integers(1, 17))]
+        elif op == 7 and n:  # random byte
+            data[int(rng.integers(0, n))] = int(rng.integers(0, 256))
+    return bytes(data)
+
+
+def test_fuzz_random_bytes_and_frame_mutations():
+    """100,000 random byte strings and 100,000 mutated valid frames, each through a plain and an
+    authenticated codec: every outcome is a known message or a known rejection."""
+    rng = np.random.default_rng(20240611)
+    plain, authed = Codec(), Codec(SECRET)
+    counts: dict[str, collections.Counter] = {}
+
+    # 1. random byte strings, lengths 0..512, sliced out of one random buffer
+    n_random = 100_000
+    lengths = rng.integers(0, 513, size=n_random)
+    # bias some toward msgpack-looking starts: a fixarray of 2-3 with version 1
+    buf = rng.bytes(int(lengths.sum()))
+    heads = [b"", b"\x92\x01", b"\x93\x01", b"\x93\x01\xc4", b"\x92\x01\xc4"]
+    c = counts["random bytes"] = collections.Counter()
+    off = 0
+    for i, n in enumerate(lengths.tolist()):
+        data = buf[off: off + n]
+        off += n
+        if i % 4 == 0:
+            data = heads[i % len(heads)] + data
+        c["plain " + classify(plain, data)] += 1
+        c["hmac " + classify(authed, data)] += 1
+
+    # 2. mutations of valid frames of every type, framed plain and with a MAC
+    frames = [Codec(s).encode(m) for m in sample_messages() for s in (None, SECRET)]
+    n_mut = 100_000
+    c = counts["mutated frames"] = collections.Counter()
+    for i in range(n_mut):
+        data = _mutate(rng, frames[i % len(frames)], frames)
+        c["plain " + classify(plain, data)] += 1
+        c["hmac " + classify(authed, data)] += 1
+
+    print()
+    for name, counter in counts.items():
+        print(f"fuzz {name}: {sum(counter.values()) // 2} inputs x 2 codecs")
+        for outcome, k in sorted(counter.items(), key=lambda kv: -kv[1]):
+            print(f"  {outcome:32s} {k:7d}")
+
+    assert sum(counts["random bytes"].values()) == 2 * n_random
+    assert sum(counts["mutated frames"].values()) == 2 * n_mut
+    mut = counts["mutated frames"]
+    # the mutator must actually reach every layer of the decoder, or it tests nothing
+    for outcome in ("plain rejected:malformed", "hmac rejected:malformed",
+                    "hmac rejected:bad_mac", "hmac rejected:unauthenticated",
+                    "plain rejected:version"):
+        assert mut[outcome] > 0, outcome
+    decoded_plain = sum(k for o, k in mut.items() if o.startswith("plain ") and ":" not in o)
+    decoded_hmac = sum(k for o, k in mut.items() if o.startswith("hmac ") and ":" not in o)
+    assert decoded_plain > decoded_hmac > 0

@@ -1,0 +1,668 @@
+"""Tests for kv_push.common.transfer_thread over an in-memory fake transport (no NIXL).
+
+Synchronisation: ``sync(t)`` makes two ``call``s. A call runs at the top of a loop step, so when
+the second returns, the whole step that ran the first -- its notification dispatch, role ticks and
+liveness pass -- has finished. Anything put on the wire before ``sync`` has then been dispatched.
+Liveness is tested deterministically with an injected clock, plus once in real time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kv_push.common import geometry as G
+from kv_push.common.config import PushConfig
+from kv_push.common.messages import (
+    Cancel,
+    Codec,
+    Goodbye,
+    Heartbeat,
+    MessageRejected,
+    Refused,
+    Register,
+    WriteDone,
+    geometry_digest,
+)
+from kv_push.common.metrics import Counters
+from kv_push.common.transfer_thread import Peer, TransferThread
+from kv_push.common.transport import TransportError
+
+GEOM = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=2, head_size=8,
+                dtype_bytes=2, dtype="bfloat16", block_size=4, num_blocks=8)
+DIGEST = geometry_digest(GEOM)
+TIMEOUT = 10.0  # for waits that should end at once; only reached when something is broken
+
+
+# -- the fake transport --------------------------------------------------------------------------
+
+
+class Wire:
+    """Notification queues by agent name, shared by the fake transports of one test."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, queue.SimpleQueue] = {}
+
+    def inject(self, to: str, sender: str, data: bytes) -> None:
+        self.queues[to].put((sender, data))
+
+
+@dataclass
+class FakeHandle:
+    peer: str
+    state: str
+    released: bool = False
+
+
+class FakeTransport:
+    """``Transport`` in memory. Records which threads call it and what it was asked to do."""
+
+    def __init__(self, wire: Wire, name: str):
+        self.wire = wire
+        self.agent_name = name
+        wire.queues[name] = queue.SimpleQueue()
+        self.peers: set[str] = set()
+        self.removed: list[str] = []
+        self.registered: list[tuple] = []
+        self.closed = False
+        self.callers: set[int] = set()
+
+    def _called(self) -> None:
+        self.callers.add(threading.get_ident())
+        assert not self.closed, "transport used after close"
+
+    def register(self, regions, mem_type, dev_id) -> None:
+        self._called()
+        self.registered.append((tuple(regions), mem_type, dev_id))
+
+    def metadata(self) -> bytes:
+        self._called()
+        return b"meta:" + self.agent_name.encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        self._called()
+        if not metadata.startswith(b"meta:"):
+            raise TransportError("bad metadata")
+        name = metadata[5:].decode()
+        self.peers.add(name)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        self._called()
+        self.removed.append(peer)
+        self.peers.discard(peer)
+
+    def write(self, peer, src, dst, src_mem, dst_mem, notif) -> FakeHandle:
+        self._called()
+        if peer not in self.peers:
+            return FakeHandle(peer, "ERR")
+        self.wire.inject(peer, self.agent_name, bytes(notif))
+        return FakeHandle(peer, "DONE")
+
+    read = write
+
+    def poll(self, handle: FakeHandle) -> str:
+        self._called()
+        return handle.state
+
+    def release(self, handle: FakeHandle) -> None:
+        self._called()
+        handle.released = True
+
+    def send_notif(self, peer: str, data: bytes) -> bool:
+        self._called()
+        if peer not in self.peers or peer not in self.wire.queues:
+            return False
+        self.wire.inject(peer, self.agent_name, bytes(data))
+        return True
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        self._called()
+        out = []
+        q = self.wire.queues[self.agent_name]
+        while True:
+            try:
+                out.append(q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._called()
+        self.closed = True
+
+
+def test_fake_transport_pair():
+    wire = Wire()
+    a, b = FakeTransport(wire, "A"), FakeTransport(wire, "B")
+    assert not a.send_notif("B", b"x")  # not a peer yet
+    assert a.add_peer(b.metadata()) == "B"
+    assert a.send_notif("B", b"hello")
+    assert b.get_notifs() == [("A", b"hello")] and b.get_notifs() == []
+    h = a.write("B", np.zeros(1, np.uint64), np.zeros(1, np.uint64), "DRAM", "DRAM", b"n")
+    assert a.poll(h) == "DONE" and b.get_notifs() == [("A", b"n")]
+    a.remove_peer("B")
+    assert a.poll(a.write("B", None, None, "DRAM", "DRAM", b"")) == "ERR"
+
+
+# -- roles and helpers ---------------------------------------------------------------------------
+
+
+@dataclass
+class RecordingRole:
+    handles: tuple[type, ...] = (Register, Cancel)
+    messages: list[tuple[str, Any]] = field(default_factory=list)
+    threads: set[int] = field(default_factory=set)
+    dead: list[Peer] = field(default_factory=list)
+    dead_event: threading.Event = field(default_factory=threading.Event)
+    dead_at: list[float] = field(default_factory=list)
+    ticks: int = 0
+    closed: int = 0
+    raise_on_message: BaseException | None = None
+    raise_on_tick: BaseException | None = None
+    raise_on_peer_dead: BaseException | None = None
+
+    def on_message(self, peer: Peer, msg) -> None:
+        self.threads.add(threading.get_ident())
+        self.messages.append((peer.agent_name, msg))
+        if self.raise_on_message is not None:
+            exc, self.raise_on_message = self.raise_on_message, None
+            raise exc
+
+    def tick(self, now: float) -> None:
+        self.threads.add(threading.get_ident())
+        self.ticks += 1
+        if self.raise_on_tick is not None:
+            exc, self.raise_on_tick = self.raise_on_tick, None
+            raise exc
+
+    def busy(self) -> bool:
+        return False
+
+    def on_peer_dead(self, peer: Peer) -> None:
+        self.threads.add(threading.get_ident())
+        self.dead.append(peer)
+        self.dead_at.append(time.monotonic())
+        self.dead_event.set()
+        if self.raise_on_peer_dead is not None:
+            raise self.raise_on_peer_dead
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sync(t: TransferThread) -> None:
+    t.call(lambda: None, TIMEOUT)
+    t.call(lambda: None, TIMEOUT)
+
+
+def wait_until(pred, timeout: float = TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.002)
+    return pred()
+
+
+def reg_msg(tid: str = "t1", engine: str = "B", rank: int = 0) -> Register:
+    return Register(transfer_id=tid, attempt=0, engine_id=engine, tp_rank=rank, block_ids=(1, 2),
+                    first_token=0, num_tokens=8, geometry_digest=DIGEST)
+
+
+class Harness:
+    """A started TransferThread "A" on a fake transport, and a raw fake transport "B" that the
+    test drives by hand (B has no thread: the test is its owner)."""
+
+    def __init__(self, *, interval: float = 30.0, clock=time.monotonic, secret: bytes = b"",
+                 roles=None):
+        self.wire = Wire()
+        self.ta = FakeTransport(self.wire, "A")
+        self.b = FakeTransport(self.wire, "B")
+        self.config = PushConfig(heartbeat_interval_s=interval, idle_poll_s=0.001, secret=secret)
+        self.counters = Counters()
+        self.t = TransferThread(self.ta, engine_id="A", tp_rank=0, geometry=GEOM,
+                                config=self.config, counters=self.counters, clock=clock)
+        self.roles = [RecordingRole()] if roles is None else roles
+        for role in self.roles:
+            self.t.add_role(role)
+        self.codec = Codec(secret or None)
+        self.meta_a = b"meta:A"  # what A's metadata() says; not asked from this thread
+        self.t.start()
+
+    @property
+    def role(self) -> RecordingRole:
+        return self.roles[0]
+
+    def connect_b(self) -> Peer:
+        meta = self.b.metadata()
+        self.b.add_peer(self.meta_a)
+        return self.t.call(lambda: self.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
+                                                   digest=DIGEST), TIMEOUT)
+
+    def b_send(self, msg) -> None:
+        assert self.b.send_notif("A", self.codec.encode(msg))
+
+    def b_received(self) -> list:
+        return [(s, Codec().decode(d)) for s, d in self.b.get_notifs()]
+
+    def rejected(self, label: str) -> float:
+        return self.counters.get("rejected", label=label)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+@pytest.fixture
+def h():
+    harness = Harness()
+    yield harness
+    harness.close()
+    assert harness.ta.closed
+    # the transport contract: one owner thread calls every method
+    assert harness.ta.callers == {harness.t._thread.ident}
+
+
+# -- running work on the owner thread -------------------------------------------------------------
+
+
+def test_call_and_submit_run_on_owner_thread(h):
+    owner = h.t.call(threading.get_ident, TIMEOUT)
+    assert owner == h.t._thread.ident != threading.get_ident()
+    ran = []
+    done = threading.Event()
+    for i in range(50):
+        h.t.submit(lambda i=i: ran.append((i, threading.get_ident())))
+    h.t.submit(done.set)
+    assert done.wait(TIMEOUT)
+    assert ran == [(i, owner) for i in range(50)]  # in order, on the owner thread
+    assert h.t.call(lambda: 6 * 7, TIMEOUT) == 42
+    # a call made on the owner thread runs inline instead of deadlocking on its own inbox
+    assert h.t.call(lambda: h.t.call(lambda: "inner", TIMEOUT), TIMEOUT) == "inner"
+    assert h.counters.get("queue_wait_seconds") >= 0
+    assert h.role.threads <= {owner} and h.role.ticks > 0
+
+
+def test_call_propagates_exceptions_and_thread_survives(h):
+    with pytest.raises(ZeroDivisionError):
+        h.t.call(lambda: 1 / 0, TIMEOUT)
+
+    def reject():
+        raise MessageRejected("bad_layout", "for the caller")
+
+    with pytest.raises(MessageRejected):
+        h.t.call(reject, TIMEOUT)
+    assert h.t.alive
+    assert h.t.call(lambda: "still here", TIMEOUT) == "still here"
+    assert h.rejected("internal_error") == 0  # the caller got it: not counted
+
+
+def test_failing_submitted_work_is_counted_and_survived(h):
+    h.t.submit(lambda: 1 / 0)
+    h.t.submit(lambda: (_ for _ in ()).throw(MessageRejected("bad_layout", "from work")))
+    sync(h.t)
+    assert h.t.alive
+    assert h.rejected("internal_error") == 1
+    assert h.rejected("bad_layout") == 1
+    assert h.t.call(lambda: 1, TIMEOUT) == 1
+
+
+def test_add_peer(h):
+    peer = h.connect_b()
+    assert (peer.agent_name, peer.engine_id, peer.tp_rank, peer.geometry_digest) == (
+        "B", "B", 0, DIGEST)
+    assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == {"B"}
+    assert "B" in h.ta.peers
+    # the same peer again with the same geometry is fine; with another it is refused
+    h.connect_b()
+    other = geometry_digest(G.pooled(base=0, placement="kv_split", num_layers=2, num_kv_heads=2,
+                                     head_size=8, dtype_bytes=2, dtype="bfloat16", block_size=4,
+                                     num_blocks=9))
+    meta = h.b.metadata()
+    with pytest.raises(MessageRejected) as e:
+        h.t.call(lambda: h.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
+                                      digest=other), TIMEOUT)
+    assert e.value.reason == "layout_changed"
+    with pytest.raises(TransportError):
+        h.t.call(lambda: h.t.add_peer(b"not metadata", engine_id="C", tp_rank=0, geometry=GEOM,
+                                      digest=DIGEST), TIMEOUT)
+
+
+# -- notification dispatch -----------------------------------------------------------------------
+
+
+def test_messages_reach_the_role_that_handles_them(h):
+    h.connect_b()
+    msgs = [reg_msg("t1"), Cancel(transfer_id="t1", attempt=0, engine_id="B", tp_rank=0,
+                                  reason="x"), reg_msg("t2")]
+    for m in msgs:
+        h.b_send(m)
+    sync(h.t)
+    assert h.role.messages == [("B", m) for m in msgs]
+    assert h.role.threads == {h.t._thread.ident}
+
+
+def test_message_no_role_handles_is_unexpected(h):
+    h.connect_b()
+    h.b_send(WriteDone(transfer_id="t", attempt=0, engine_id="B", tp_rank=0, num_bytes=1))
+    h.b_send(Refused(reason="x"))
+    sync(h.t)
+    assert h.rejected("unexpected") == 2
+    assert h.role.messages == []
+
+
+def test_every_interested_role_sees_a_message():
+    second = RecordingRole(handles=(Register,))
+    h = Harness(roles=[RecordingRole(), second, RecordingRole(handles=(WriteDone,))])
+    try:
+        h.connect_b()
+        h.b_send(reg_msg())
+        sync(h.t)
+        assert [len(r.messages) for r in h.roles] == [1, 1, 0]
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("junk", [b"", b"junk", b"\x93\x01", b"\xff" * 100,
+                                  Codec().encode(reg_msg())[:-3]], ids=repr)
+def test_malformed_notification_is_counted_and_survived(h, junk):
+    h.connect_b()
+    h.b.send_notif("A", junk)
+    h.wire.inject("A", "stranger", junk)  # malformed from anyone: malformed, whoever sends it
+    h.b_send(reg_msg())
+    sync(h.t)
+    assert h.rejected("malformed") == 2
+    assert h.t.alive
+    assert h.role.messages == [("B", reg_msg())]  # the good message after the junk still lands
+
+
+def test_unknown_peer_is_rejected(h):
+    h.connect_b()
+    h.wire.inject("A", "stranger", Codec().encode(reg_msg()))
+    h.wire.inject("A", "stranger", Codec().encode(Heartbeat(engine_id="s", tp_rank=0, seq=1)))
+    h.wire.inject("A", "stranger", Codec().encode(Goodbye(engine_id="s", tp_rank=0)))
+    sync(h.t)
+    assert h.rejected("unknown_peer") == 3
+    assert h.role.messages == [] and h.role.dead == []
+    assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == {"B"}
+
+
+def test_role_whose_handler_raises_does_not_kill_the_thread(h):
+    h.connect_b()
+    h.role.raise_on_message = RuntimeError("handler bug")
+    h.b_send(reg_msg("t1"))
+    sync(h.t)
+    assert h.t.alive
+    assert h.rejected("internal_error") == 1
+    h.role.raise_on_message = MessageRejected("spoofed", "names another engine")
+    h.b_send(reg_msg("t2"))
+    h.b_send(reg_msg("t3"))  # the next message is handled normally
+    sync(h.t)
+    assert h.rejected("spoofed") == 1
+    assert [m.transfer_id for _, m in h.role.messages] == ["t1", "t2", "t3"]
+    h.role.raise_on_tick = KeyError("tick bug")
+    sync(h.t)
+    assert h.rejected("internal_error") == 2
+    assert h.t.alive and h.t.call(lambda: "ok", TIMEOUT) == "ok"
+
+
+def test_rejections_with_authentication():
+    h = Harness(secret=b"k1")
+    try:
+        h.connect_b()
+        h.b.send_notif("A", Codec().encode(reg_msg("plain")))
+        h.b.send_notif("A", Codec(b"other").encode(reg_msg("wrong-key")))
+        h.b_send(reg_msg("good"))
+        sync(h.t)
+        assert h.rejected("unauthenticated") == 1
+        assert h.rejected("bad_mac") == 1
+        assert [m.transfer_id for _, m in h.role.messages] == ["good"]
+    finally:
+        h.close()
+
+
+# -- liveness ------------------------------------------------------------------------------------
+
+
+def test_heartbeats_keep_a_peer_alive_and_silence_kills_it():
+    """Deterministic, with an injected clock. The interval (1/8 s, time-out 3/16 s) is exact in
+    binary, so clock arithmetic has no rounding."""
+    clock = FakeClock()
+    iv = 0.125
+    h = Harness(interval=iv, clock=clock)
+    try:
+        sync(h.t)  # the first heartbeat slot (no peers yet) passed at t=0
+        h.connect_b()  # last heard at t=0
+        seqs = []
+        for step in range(1, 11):
+            clock.t = step * iv
+            sync(h.t)
+            got = h.b_received()
+            assert [(s, type(m)) for s, m in got] == [("A", Heartbeat)], step
+            assert got[0][1].engine_id == "A" and got[0][1].tp_rank == 0
+            seqs.append(got[0][1].seq)
+            h.b_send(Heartbeat(engine_id="B", tp_rank=0, seq=step))  # B answers
+            sync(h.t)
+            assert h.b_received() == []  # one heartbeat per interval, not per loop step
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+        assert h.role.dead == []  # 10 intervals, never silent for longer than one
+        # B falls silent; last heard at t=1.25
+        clock.t = 1.25 + 1.5 * iv  # exactly the time-out: not yet dead
+        sync(h.t)
+        assert h.role.dead == [] and h.counters.get("peers_dead") == 0
+        assert [type(m) for _, m in h.b_received()] == [Heartbeat]  # the one due at 1.375
+        clock.t = 1.25 + 1.5 * iv + 1e-6
+        sync(h.t)
+        assert [p.agent_name for p in h.role.dead] == ["B"]
+        assert h.counters.get("peers_dead") == 1
+        assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == set()
+        assert h.ta.removed == ["B"] and "B" not in h.ta.peers
+        # the dead peer was told, in case it is only slow
+        assert [type(m) for _, m in h.b_received()] == [Goodbye]
+        # and nothing more goes to it
+        clock.t = 3.0
+        sync(h.t)
+        assert h.b_received() == []
+        # it is a stranger now
+        h.b_send(Heartbeat(engine_id="B", tp_rank=0, seq=99))
+        sync(h.t)
+        assert h.rejected("unknown_peer") == 1
+        assert len(h.role.dead) == 1
+    finally:
+        h.close()
+
+
+def test_any_message_counts_as_a_sign_of_life():
+    clock = FakeClock()
+    h = Harness(interval=0.1, clock=clock)
+    try:
+        h.connect_b()
+        for step in range(1, 6):
+            clock.t = step * 0.1
+            h.b_send(reg_msg(f"t{step}"))
+            sync(h.t)
+        assert h.role.dead == []
+        assert len(h.role.messages) == 5
+    finally:
+        h.close()
+
+
+def test_silent_peer_declared_dead_in_real_time():
+    interval = 0.2
+    h = Harness(interval=interval)
+    try:
+        t0 = time.monotonic()  # before B is added, so elapsed >= B's actual silence
+        h.connect_b()
+        assert h.role.dead_event.wait(TIMEOUT), "a silent peer was never declared dead"
+        elapsed = h.role.dead_at[0] - t0
+        print(f"\nsilent peer declared dead after {elapsed:.3f}s (time-out {1.5 * interval:.2f}s)")
+        assert elapsed > 1.5 * interval  # never before the time-out
+        assert elapsed < 3 * interval  # liveness: found within a generous bound
+        assert [p.agent_name for p in h.role.dead] == ["B"]
+        assert h.counters.get("peers_dead") == 1
+        assert h.ta.removed == ["B"]
+        received = [type(m) for _, m in h.b_received()]
+        assert received[-1] is Goodbye and set(received[:-1]) <= {Heartbeat}
+    finally:
+        h.close()
+
+
+def test_heartbeats_sent_to_every_peer_in_real_time():
+    interval = 0.05
+    h = Harness(interval=interval)
+    wire = h.wire
+    c = FakeTransport(wire, "C")
+    try:
+        h.connect_b()
+        c.add_peer(h.meta_a)
+        meta = c.metadata()
+        h.t.call(lambda: h.t.add_peer(meta, engine_id="C", tp_rank=1, geometry=GEOM,
+                                      digest=DIGEST), TIMEOUT)
+        got: dict[str, list] = {"B": [], "C": []}
+
+        def pump() -> bool:
+            for name, tr in (("B", h.b), ("C", c)):
+                for sender, data in tr.get_notifs():
+                    got[name].append(Codec().decode(data))
+                    # answer so that A keeps us
+                    tr.send_notif("A", Codec().encode(Heartbeat(engine_id=name, tp_rank=0, seq=1)))
+            return all(sum(isinstance(m, Heartbeat) for m in v) >= 2 for v in got.values())
+
+        assert wait_until(pump), got
+        for msgs in got.values():
+            seqs = [m.seq for m in msgs if isinstance(m, Heartbeat)]
+            assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    finally:
+        h.close()
+
+
+def test_goodbye_drops_the_peer_at_once(h):
+    # the fixture's heartbeat interval is 30 s: only the Goodbye can drop B here
+    h.connect_b()
+    h.b_send(Goodbye(engine_id="B", tp_rank=0))
+    sync(h.t)
+    assert [p.agent_name for p in h.role.dead] == ["B"]
+    assert h.counters.get("peers_dead") == 0  # an orderly leave is not a death
+    assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == set()
+    assert h.ta.removed == ["B"]
+    h.b.add_peer(h.meta_a)
+    h.b_send(reg_msg())
+    sync(h.t)
+    assert h.role.messages == [] and h.rejected("unknown_peer") == 1
+    # it can come back through a new handshake
+    h.connect_b()
+    h.b_send(reg_msg())
+    sync(h.t)
+    assert h.role.messages == [("B", reg_msg())]
+
+
+def test_on_peer_dead_raising_still_removes_the_peer(h):
+    h.connect_b()
+    h.role.raise_on_peer_dead = RuntimeError("cleanup bug")
+    h.b_send(Goodbye(engine_id="B", tp_rank=0))
+    sync(h.t)
+    assert h.t.alive
+    assert h.rejected("internal_error") == 1
+    assert h.ta.removed == ["B"]
+    assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == set()
+
+
+# -- two threads ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret_a,secret_b,outcome", [
+    (b"", b"", "handled"),
+    (b"s", b"s", "handled"),
+    (b"s", b"", "handled"),  # a receiver without a secret accepts MAC'd messages
+    (b"", b"s", "unauthenticated"),
+    (b"s", b"t", "bad_mac"),
+])
+def test_two_threads_talk(secret_a, secret_b, outcome):
+    wire = Wire()
+    ta, tb = FakeTransport(wire, "A"), FakeTransport(wire, "B")
+    role_b = RecordingRole()
+    threads = {}
+    for name, tr, secret, role in (("A", ta, secret_a, RecordingRole()), ("B", tb, secret_b,
+                                                                            role_b)):
+        t = TransferThread(tr, engine_id=name, tp_rank=0, geometry=GEOM,
+                           config=PushConfig(heartbeat_interval_s=30.0, secret=secret))
+        t.add_role(role)
+        t.start()
+        threads[name] = t
+    a, b = threads["A"], threads["B"]
+    try:
+        meta_a, meta_b = a.call(ta.metadata, TIMEOUT), b.call(tb.metadata, TIMEOUT)
+        a.call(lambda: a.add_peer(meta_b, engine_id="B", tp_rank=0, geometry=GEOM,
+                                  digest=DIGEST), TIMEOUT)
+        b.call(lambda: b.add_peer(meta_a, engine_id="A", tp_rank=0, geometry=GEOM,
+                                  digest=DIGEST), TIMEOUT)
+        assert a.call(lambda: a.send("B", reg_msg(engine="A")), TIMEOUT) is True
+        assert a.call(lambda: a.send("nobody", reg_msg()), TIMEOUT) is False
+        sync(b)
+        if outcome == "handled":
+            assert role_b.messages == [("A", reg_msg(engine="A"))]
+        else:
+            assert role_b.messages == []
+            assert b.counters.get("rejected", label=outcome) >= 1
+        # A closes: B hears the goodbye (if it can authenticate it) and forgets A
+        a.close()
+        sync(b)
+        if outcome == "handled":
+            assert [p.agent_name for p in role_b.dead] == ["A"]
+            assert b.call(lambda: set(b.peers), TIMEOUT) == set()
+    finally:
+        a.close()
+        b.close()
+    assert ta.closed and tb.closed and not a.alive and not b.alive
+
+
+# -- closing -------------------------------------------------------------------------------------
+
+
+def test_close_joins_says_goodbye_and_closes_transport():
+    h = Harness()
+    h.connect_b()
+    thread = h.t._thread
+    h.t.close()
+    assert not thread.is_alive() and not h.t.alive
+    assert h.ta.closed
+    assert h.role.closed == 1
+    assert [(s, type(m)) for s, m in h.b_received()] == [("A", Goodbye)]
+    h.t.close()  # idempotent
+    assert h.role.closed == 1
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        h.t.call(lambda: 1, timeout=3.0)
+    assert time.monotonic() - started < 2.5, "call() after close waited for its time-out"
+    h.t.submit(lambda: None)  # never blocks, never raises
+
+
+def test_close_before_start():
+    wire = Wire()
+    tr = FakeTransport(wire, "A")
+    role = RecordingRole()
+    t = TransferThread(tr, engine_id="A", tp_rank=0, geometry=GEOM, config=PushConfig())
+    t.add_role(role)
+    t.close()
+    assert tr.closed and role.closed == 1 and not t.alive
+
+
+def test_role_close_raising_still_closes_transport():
+    h = Harness()
+    h.role.close = lambda: (_ for _ in ()).throw(RuntimeError("close bug"))  # type: ignore
+    h.t.close()
+    assert h.ta.closed and not h.t.alive
+    assert h.counters.get("rejected", label="internal_error") == 1
