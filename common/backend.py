@@ -148,11 +148,14 @@ def describe_kv_caches(
     tp_rank: int,
     dtype: str,
     dims: str | None = None,
+    opaque_combined: bool = True,
 ) -> KVGeometry:
     """A geometry for per-layer KV tensors (one 5-D tensor per layer, all laid out alike).
 
     The physical token order (NHD or HND) is read from the strides, so a permuted view (vLLM's
-    stride order for HND backends) is described correctly.
+    stride order for HND backends) is described correctly. A 4-D combined ``[K | V]`` cache
+    (vLLM's CPU backend) is ``opaque`` unless ``opaque_combined`` is False: its kernels tile a
+    block's interior per ISA, so only whole blocks can be copied.
     """
     if not tensors:
         raise GeometryError("no KV cache tensors to describe")
@@ -192,7 +195,9 @@ def describe_kv_caches(
     if s["D"] != 1:
         raise GeometryError(f"head_size axis must be contiguous, stride is {s['D']}")
     order: TokenOrder
-    if s["H"] == head_size and s["T"] == local_heads * head_size:
+    if kv_parts == 1 and opaque_combined:
+        order = "opaque"
+    elif s["H"] == head_size and s["T"] == local_heads * head_size:
         order = "NHD"
     elif s["T"] == head_size and s["H"] == shape[axis["T"]] * head_size:
         order = "HND"

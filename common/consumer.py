@@ -10,6 +10,9 @@ producer will push into these blocks) and ``cancel`` (the request is gone). Resu
 * ``released`` -- after ``cancel``: the blocks may be freed or reused; emitted only once every
   producer that was told about them confirmed the cancel (``CancelAck``) or was declared dead.
 
+Exactly one outcome per ``expect``: a ``cancel`` that arrives after the outcome went out does
+nothing.
+
 Who registers where: decoder rank 0 registers with every producer rank (so producer ranks that
 write nothing to anyone still learn the decoder's TP and can release their blocks); other ranks
 register with the producer ranks that write to them (``writer_ranks``). A rank expects one
@@ -126,7 +129,8 @@ class Consumer:
     def cancel(self, key: str, reason: str = "aborted") -> None:
         want = self.wants.get(key)
         if want is None:
-            self.outcomes.put(Outcome(key, "released", "nothing in flight"))
+            # Its outcome already went out (expect and cancel reach this thread in order), and
+            # the engine must hear about a request exactly once.
             return
         self.t.counters.inc("cancels")
         self._fence(want, "released", reason)
@@ -178,7 +182,8 @@ class Consumer:
             try:
                 welcome = self._handshake(host, port, hello, codec, timeout)
             except (HandshakeError, OSError) as e:
-                self.t.submit(lambda: self._on_handshake_failed(remote, rank, str(e)))
+                reason = str(e)  # ``e`` is unbound once the except block ends
+                self.t.submit(lambda: self._on_handshake_failed(remote, rank, reason))
                 return
             self.t.submit(lambda: self._on_welcome(remote, rank, welcome))
 

@@ -11,7 +11,8 @@ Memory model, per worker (one TP rank):
   (``block_size * local_heads * head_size * dtype_bytes``).
 * Inside a block part, one (token, head) vector of ``head_size`` elements is contiguous. Its index
   is ``token * local_heads + head`` for token-major ``NHD`` and ``head * block_size + token`` for
-  head-major ``HND``.
+  head-major ``HND``. ``opaque`` says the interior has no such order (vLLM's CPU backend tiles
+  blocks per ISA): such blocks are copied whole, only between identical geometries.
 
 The usual vLLM placements are constructors:
 
@@ -33,7 +34,7 @@ from typing import Literal
 
 import msgspec
 
-TokenOrder = Literal["NHD", "HND"]
+TokenOrder = Literal["NHD", "HND", "opaque"]
 
 
 class GeometryError(ValueError):
@@ -99,8 +100,9 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
                 raise GeometryError(f"{name} must be positive, got {value}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise GeometryError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
-        if self.token_order not in ("NHD", "HND"):
-            raise GeometryError(f"token_order must be NHD or HND, got {self.token_order!r}")
+        if self.token_order not in ("NHD", "HND", "opaque"):
+            raise GeometryError(
+                f"token_order must be NHD, HND or opaque, got {self.token_order!r}")
         if self.tp_size <= self.num_kv_heads:
             if self.num_kv_heads % self.tp_size:
                 raise GeometryError(
@@ -132,6 +134,13 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 raise GeometryError(f"{name} differs: {a} here, {b} at the peer")
+        if "opaque" in (self.token_order, other.token_order):
+            # an opaque block interior can only be copied whole into an identical block
+            for name in ("token_order", "block_size", "tp_size", "block_bytes"):
+                a, b = getattr(self, name), getattr(other, name)
+                if a != b:
+                    raise GeometryError(
+                        f"opaque block layouts need equal {name}: {a} here, {b} at the peer")
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, length) of the memory this geometry spans, coalesced, for registration."""

@@ -260,6 +260,13 @@ def plan_writes(
     heads = writer_ranks(src.num_kv_heads, src.tp_size, dst.tp_size, dst.tp_rank).get(src.tp_rank)
     if heads is None:
         return _empty_plan()
+    if src.token_order == "opaque":
+        # Block interiors are opaque (e.g. vLLM CPU's ISA-specific tiles): whole blocks only.
+        # compatible_with guaranteed equal block sizes, TP and block bytes on both sides.
+        s_off = sblk[first_token // bs: need_s] * src.block_stride
+        d_off = dblk[:need_d] * dst.block_stride
+        plen = np.full(need_d, src.block_bytes, dtype=np.int64)
+        return _broadcast_and_merge(src, dst, s_off, d_off, plen, False)
     nh = heads[1] - heads[0]
     h0s = heads[0] - src.head_range[0]
     h0d = heads[0] - dst.head_range[0]
@@ -338,6 +345,12 @@ def plan_writes(
         s_off = s_blk_off[run] + ((s_tok[run] + t) * ts_s + (h0s + h) * hs_s) * vec
         d_off = d_blk_off[run] + ((d_tok[run] + t) * ts_d + (h0d + h) * hs_d) * vec
         plen = (tlen * hlen)[run] * vec
+    return _broadcast_and_merge(src, dst, s_off, d_off, plen, head_sliced)
+
+
+def _broadcast_and_merge(src: KVGeometry, dst: KVGeometry, s_off: np.ndarray, d_off: np.ndarray,
+                         plen: np.ndarray, head_sliced: bool) -> WritePlan:
+    """Repeat per-piece offsets over layers and K/V parts, then merge contiguous regions."""
     pieces = s_off.shape[0]
 
     # Broadcast over layers and K/V: (layer, K/V, piece) or, when both sides keep V right after

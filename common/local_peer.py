@@ -99,6 +99,64 @@ class PeerServer:
                         return False
         return True
 
+    def fill_blocks(self, block_ids, value: int):
+        """Set every byte of these blocks (all layers, K and V) to ``value`` (a canary)."""
+        g = self.pool.geometry
+        for b in block_ids:
+            for bases in g.part_bases:
+                for base in bases:
+                    off = base - self.pool.base + b * g.block_stride
+                    self.pool.buf[off: off + g.block_bytes] = value
+
+    # -- test hooks: hostile or stale input that the normal API cannot produce ----------------
+    def agent_metadata(self) -> bytes:
+        """This worker's NIXL agent metadata (what a handshake would hand out)."""
+        t = self.worker.thread
+        return t.call(t.transport.metadata, 10.0)
+
+    def inject(self, kind: str, fields: dict | None = None, raw: bytes | None = None,
+               to_engine: str | None = None) -> int:
+        """Send ``messages.<kind>(**fields)`` (engine_id / tp_rank / geometry_digest default to
+        this worker's) or ``raw`` bytes as a NIXL notification to every known peer (or those of
+        engine ``to_engine``), from the transfer thread. Returns how many peers it went to."""
+        from . import messages as M
+        t = self.worker.thread
+
+        def send() -> int:
+            if raw is not None:
+                data = bytes(raw)
+            else:
+                f = {"engine_id": t.engine_id, "tp_rank": t.tp_rank, **(fields or {})}
+                if kind == "Register":
+                    f.setdefault("geometry_digest", M.geometry_digest(t.geometry))
+                    f["block_ids"] = tuple(int(b) for b in f["block_ids"])
+                data = t.codec.encode(getattr(M, kind)(**f))
+            sent = 0
+            for name, peer in list(t.peers.items()):
+                if to_engine is None or peer.engine_id == to_engine:
+                    sent += bool(t.transport.send_notif(name, data))
+            return sent
+        return t.call(send, 10.0)
+
+    def notify_unknown(self, metadata: bytes, payloads) -> str:
+        """Load another agent's metadata into this worker's NIXL agent without a handshake (that
+        agent never learns who we are) and send it ``payloads`` as raw notifications."""
+        t = self.worker.thread
+
+        def go() -> str:
+            name = t.transport.add_peer(bytes(metadata))
+            for data in payloads:
+                t.transport.send_notif(name, bytes(data))
+            return name
+        return t.call(go, 10.0)
+
+    def poll_outcomes(self) -> list[tuple[str, str, str]]:
+        """Every outcome that arrived so far, (key, kind, reason), without waiting."""
+        out = [(k, kind, reason) for k, (kind, reason) in self.outcomes.items()]
+        self.outcomes.clear()
+        out.extend((o.key, o.kind, o.reason) for o in self.worker.drain_outcomes())
+        return out
+
     def prefill_done(self, key, transfer_id, block_ids, num_tokens):
         self.worker.prefill_done(key, transfer_id, block_ids, num_tokens)
 
@@ -172,7 +230,11 @@ def _child(conn, spec_dict: dict) -> None:
         except BaseException:
             conn.send(("err", traceback.format_exc()))
         if name == "close":
-            break
+            # the worker is closed (transfer thread joined, agent released): skip the
+            # interpreter's finalisation, which takes 1-3 s with NIXL and UCX loaded
+            logging.shutdown()
+            conn.close()
+            os._exit(0)
 
 
 class LocalPeer:
@@ -195,8 +257,12 @@ class LocalPeer:
         self._recv(start_timeout)
 
     def _recv(self, timeout: float):
-        if not self._conn.poll(timeout):
-            raise PeerError(f"peer {self.spec.role} did not answer within {timeout}s")
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if not self.process.is_alive():  # died (crash, kill -9): do not wait out the time-out
+                raise PeerError(f"peer {self.spec.role} exited with code {self.process.exitcode}")
+            if time.monotonic() >= deadline:
+                raise PeerError(f"peer {self.spec.role} did not answer within {timeout}s")
         status, payload = self._conn.recv()
         if status == "err":
             raise PeerError(payload)

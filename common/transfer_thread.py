@@ -7,7 +7,8 @@ Everything that touches the agent runs here; everything else only hands work in.
 2. drain NIXL notifications, decode each (a rejection is counted and logged once, never
    raised), note the sender as alive, and route the message to the roles that handle its type;
 3. let each role ``tick`` (poll in-flight WRITEs, time-outs) and keep liveness: heartbeats go to
-   every peer each ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s`` is declared
+   every peer four times per ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s``
+   (1.5 intervals) is declared
    dead, told goodbye, removed from the agent, and each role is told;
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
@@ -164,8 +165,14 @@ class TransferThread:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._step()
-                if any(role.busy() for role in self.roles):
+                try:
+                    self._step()
+                    busy = any(role.busy() for role in self.roles)
+                except Exception:  # e.g. NIXL failing to poll: keep the thread, back off
+                    logger.exception("kv_push: transfer thread step failed")
+                    self.counters.inc("rejected", label="internal_error")
+                    busy = False
+                if busy:
                     time.sleep(0)  # in flight: keep NIXL progressing, but let others run
                     continue
                 self._wake.wait(self.config.idle_poll_s)
@@ -224,7 +231,9 @@ class TransferThread:
 
     def _liveness(self, now: float) -> None:
         if now >= self._next_hb:
-            self._next_hb = now + self.config.heartbeat_interval_s
+            # four beats per interval: a peer is declared dead after 1.5 intervals of silence,
+            # so a stall of up to ~1.25 intervals is tolerated and a death is seen within 2
+            self._next_hb = now + self.config.heartbeat_interval_s / 4
             self._hb_seq += 1
             hb = Heartbeat(engine_id=self.engine_id, tp_rank=self.tp_rank, seq=self._hb_seq)
             for name in list(self.peers):

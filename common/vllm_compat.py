@@ -56,10 +56,31 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 def kv_dtype_name(vllm_config: Any) -> str:
+    """The KV element type, tagged with the CPU attention ISA where the block layout depends on
+    it (vLLM's CPU backend tiles blocks differently for amx / vec / vec16), so that P and D with
+    different layouts refuse each other at the handshake instead of exchanging garbage."""
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if cache_dtype and cache_dtype != "auto":
-        return str(cache_dtype)
-    return str(vllm_config.model_config.dtype).replace("torch.", "")
+        name = str(cache_dtype)
+    else:
+        name = str(vllm_config.model_config.dtype).replace("torch.", "")
+    tag = _cpu_attn_isa(vllm_config)
+    return f"{name}@cpu-{tag}" if tag else name
+
+
+def _cpu_attn_isa(vllm_config: Any) -> str:
+    try:
+        from vllm.platforms import current_platform  # noqa: PLC0415
+
+        if not current_platform.is_cpu():
+            return ""
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
+
+        mc = vllm_config.model_config
+        return str(_get_attn_isa(mc.dtype, vllm_config.cache_config.block_size,
+                                 mc.get_head_size()))
+    except Exception:  # an older or newer vLLM without that helper: the layout is unknown
+        return "unknown"
 
 
 def new_block_ids(blocks: Any) -> list[int]:

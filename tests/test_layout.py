@@ -499,3 +499,31 @@ def test_planning_16k_tokens_covers_every_byte() -> None:
     plan = plan_writes(src, sb, dst, db, first_token=0, num_tokens=16384)
     assert plan.total_bytes == 16384 * 64 * 2 * 8 * 128 * 2
     assert plan.num_regions <= 64 * 2 * 1024
+
+
+# -- opaque block interiors (vLLM CPU) -------------------------------------------------------
+
+
+def test_opaque_blocks_are_copied_whole_including_a_partial_last_block() -> None:
+    kw = dict(placement="combined", order="opaque", layers=2, heads=2, head_size=8,
+              dtype_bytes=2, block_size=32, num_blocks=16)
+    src = make_geo(base=SRC_BASE, **kw)
+    dst = make_geo(base=DST_BASE, **kw)
+    plan = plan_writes(src, [5, 2, 9], dst, [7, 1], first_token=32, num_tokens=70)
+    bb = src.block_bytes
+    got = sorted(zip((plan.src - SRC_BASE).tolist(), (plan.dst - DST_BASE).tolist(),
+                     plan.length.tolist()))
+    layer = 16 * bb
+    want = sorted((l * layer + sb * bb, l * layer + db * bb, bb)
+                  for l in range(2) for sb, db in ((2, 7), (9, 1)))
+    assert got == want  # blocks 2->7 and 9->1 whole, though only 6 tokens of block 9 are used
+
+
+@pytest.mark.parametrize("change", [dict(block_size=16), dict(tp=2, heads=2)])
+def test_opaque_blocks_need_identical_geometry(change) -> None:
+    kw = dict(placement="combined", order="opaque", layers=1, heads=2, head_size=8,
+              dtype_bytes=2, block_size=32, num_blocks=8)
+    src = make_geo(base=SRC_BASE, **kw)
+    dst = make_geo(base=DST_BASE, **{**kw, **change})
+    with pytest.raises(GeometryError, match="opaque"):
+        plan_writes(src, [0], dst, [0], first_token=0, num_tokens=10)
