@@ -28,8 +28,9 @@ class PushConfig:
     #: NIXL backends for the agent; empty: the memory backend's own choice (host and cuda: UCX,
     #: neuron: LIBFABRIC). p5en over EFA: ("LIBFABRIC",).
     nixl_backends: tuple[str, ...] = ()
-    #: heartbeats go out this often; a peer silent for 1.5 intervals is declared dead
-    heartbeat_interval_s: float = 1.0
+    #: liveness interval: 4 heartbeats go out per interval; a peer silent for 1.5 intervals is
+    #: declared dead (process death is seen at once through the side-channel lifeline)
+    heartbeat_interval_s: float = 5.0
     #: a registration or prefill that never finds its other half is dropped after this long
     rendezvous_ttl_s: float = 120.0
     #: a decoder gives up waiting for a transfer's completions after this long

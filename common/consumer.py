@@ -180,7 +180,8 @@ class Consumer:
 
         def job() -> None:
             try:
-                welcome = self._handshake(host, port, hello, codec, timeout)
+                welcome = self._handshake(host, port, hello, codec, timeout,
+                                          on_closed=self._lifeline_closed)
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
                 self.t.submit(lambda: self._on_handshake_failed(remote, rank, reason))
@@ -188,6 +189,10 @@ class Consumer:
             self.t.submit(lambda: self._on_welcome(remote, rank, welcome))
 
         self._pool.submit(job)
+
+    def _lifeline_closed(self, welcome: Welcome) -> None:
+        """(lifeline thread) The producer's side channel closed: it is gone."""
+        self.t.peer_lost(welcome.agent_name, "producer closed its side channel")
 
     def _on_welcome(self, remote: _Remote, rank: int, welcome: Welcome) -> None:
         remote.connecting.discard(rank)

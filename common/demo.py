@@ -204,8 +204,10 @@ def _server_child(conn, spec_dict: dict, server: str) -> None:
             conn.send(("ok", getattr(srv, cmd)(*args, **kwargs)))
         except BaseException:
             conn.send(("err", traceback.format_exc()))
-        if cmd == "close":
-            break
+        if cmd == "close":  # worker closed: skip the slow NIXL/UCX interpreter finalisation
+            logging.shutdown()
+            conn.close()
+            os._exit(0)
 
 
 class ServerPeer(LocalPeer):

@@ -10,6 +10,11 @@ against ~15 ms for a plain socket).
 Frames are a 4-byte big-endian length and one encoded ``Envelope`` (so the secret, when
 configured, authenticates the handshake too). Every socket operation has a time-out: a peer that
 hangs costs its own handshake thread, never the transfer thread.
+
+The connection then stays open as a **lifeline**: each side blocks on it (with TCP keep-alive)
+and reports the peer lost when it closes. When a process dies -- kill -9 included -- its kernel
+closes the socket at once, so death is seen in milliseconds even while the peer's Python threads
+would be too busy to heartbeat. Heartbeats still cover hung processes and lost networks.
 """
 
 from __future__ import annotations
@@ -54,21 +59,58 @@ def recv_frame(sock: socket.socket, codec: Codec) -> Message:
     return codec.decode(_recv_exact(sock, n))
 
 
-def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float) -> Welcome:
-    """Decoder side: introduce ourselves to the producer worker at host:port."""
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def hold_lifeline(sock: socket.socket, on_closed: Callable[[], None]) -> None:
+    """Block until the peer closes ``sock`` (or it breaks), then call ``on_closed``."""
+    sock.settimeout(None)
+    _keepalive(sock)
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            send_frame(sock, codec, hello)
-            reply = recv_frame(sock, codec)
+        while sock.recv(64):
+            pass  # nothing is sent on a lifeline; ignore anything that is
+    except OSError:
+        pass
+    finally:
+        sock.close()
+        on_closed()
+
+
+def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
+              on_closed: Callable[[Welcome], None] | None = None) -> Welcome:
+    """Decoder side: introduce ourselves to the producer worker at host:port.
+
+    With ``on_closed`` the connection stays open as a lifeline, watched by a daemon thread that
+    calls ``on_closed(welcome)`` when the producer goes away.
+    """
+    sock = None
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.settimeout(timeout)
+        send_frame(sock, codec, hello)
+        reply = recv_frame(sock, codec)
     except MessageRejected as e:
+        if sock is not None:
+            sock.close()
         raise HandshakeError(f"bad reply from {host}:{port}: {e}") from None
     except OSError as e:
+        if sock is not None:
+            sock.close()
         raise HandshakeError(f"side channel {host}:{port}: {e}") from None
-    if isinstance(reply, Refused):
-        raise HandshakeError(f"{host}:{port} refused the handshake: {reply.reason}")
-    if not isinstance(reply, Welcome):
+    if isinstance(reply, Refused) or not isinstance(reply, Welcome):
+        sock.close()
+        if isinstance(reply, Refused):
+            raise HandshakeError(f"{host}:{port} refused the handshake: {reply.reason}")
         raise HandshakeError(f"{host}:{port} answered {type(reply).__name__}, not Welcome")
+    if on_closed is None:
+        sock.close()
+    else:
+        threading.Thread(target=hold_lifeline, args=(sock, lambda: on_closed(reply)),
+                         name=f"kv-push-lifeline-{host}:{port}", daemon=True).start()
     return reply
 
 
@@ -76,8 +118,10 @@ class SideChannelServer:
     """Producer side: answers handshakes with ``on_hello(hello) -> Welcome`` (which may raise)."""
 
     def __init__(self, host: str, port: int, codec: Codec, on_hello: Callable[[Hello], Welcome],
-                 on_reject: Callable[[str, str], None], timeout: float):
+                 on_reject: Callable[[str, str], None], timeout: float,
+                 on_closed: Callable[[Hello], None] | None = None):
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
+        on_closed_ = on_closed
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
@@ -102,6 +146,9 @@ class SideChannelServer:
                     send_frame(sock, codec_, reply)
                 except OSError as e:
                     on_reject_("handshake_io", f"reply to {peer}: {e}")
+                    return
+                if isinstance(reply, Welcome) and on_closed_ is not None:
+                    hold_lifeline(sock, lambda: on_closed_(msg))  # this handler thread waits
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True

@@ -152,6 +152,16 @@ class TransferThread:
         self.peers[name] = peer
         return peer
 
+    def peer_lost(self, agent_name: str, reason: str) -> None:
+        """(any thread) A peer's lifeline closed: drop it on the transfer thread, now."""
+        def drop() -> None:
+            peer = self.peers.get(agent_name)
+            if peer is not None:
+                self.counters.inc("peers_dead")
+                self.drop_peer(peer, reason)
+        if not self._closed:
+            self.submit(drop)
+
     def drop_peer(self, peer: Peer, reason: str) -> None:
         if self.peers.pop(peer.agent_name, None) is None:
             return

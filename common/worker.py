@@ -78,6 +78,8 @@ class PushWorker:
                 on_reject=lambda reason, detail: self.counters.reject(reason, detail,
                                                                       context="side channel"),
                 timeout=self.config.handshake_timeout_s,
+                on_closed=lambda hello: self.thread.peer_lost(
+                    hello.agent_name, "decoder closed its side channel"),
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)

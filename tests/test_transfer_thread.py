@@ -501,7 +501,7 @@ def test_any_message_counts_as_a_sign_of_life():
 
 
 def test_silent_peer_declared_dead_in_real_time():
-    interval = 0.2
+    interval = 0.5
     h = Harness(interval=interval)
     try:
         t0 = time.monotonic()  # before B is added, so elapsed >= B's actual silence
@@ -510,7 +510,7 @@ def test_silent_peer_declared_dead_in_real_time():
         elapsed = h.role.dead_at[0] - t0
         print(f"\nsilent peer declared dead after {elapsed:.3f}s (time-out {1.5 * interval:.2f}s)")
         assert elapsed > 1.5 * interval  # never before the time-out
-        assert elapsed < 3 * interval  # liveness: found within a generous bound
+        assert elapsed < 2 * interval + 1.0  # liveness: within two intervals (+ slack for a loaded box)
         assert [p.agent_name for p in h.role.dead] == ["B"]
         assert h.counters.get("peers_dead") == 1
         assert h.ta.removed == ["B"]
