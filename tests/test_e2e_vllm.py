@@ -99,8 +99,9 @@ def stack(request, tiny_model, prompts, tmp_path_factory):
     kv_port = free_port()
     p = vllm_server("prefill", python=python, model=str(tiny_model), port=free_port(), cpu=0,
                     log_dir=logs, kv_role="kv_producer", kv_port=kv_port)
+    # D loads the connector by name alone (the plugin entry point), P by module path
     d = vllm_server("decode", python=python, model=str(tiny_model), port=free_port(), cpu=1,
-                    log_dir=logs, kv_role="kv_consumer", kv_port=free_port())
+                    log_dir=logs, kv_role="kv_consumer", kv_port=free_port(), by_name=True)
     servers = [p, d]
     try:
         p.wait_healthy()
@@ -216,6 +217,14 @@ def test_client_disconnect_leaves_no_work_behind(stack, prompts):
             break
         time.sleep(0.5)
     assert busy == 0, "requests still in flight after every client hung up"
+    # no leaked blocks: P holds none for pushes, D none fenced (prefix-cached blocks are free)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        usage = [metric(s.url, "vllm:kv_cache_usage_perc") for s in (p, d)]
+        if usage == [0.0, 0.0]:
+            break
+        time.sleep(0.5)
+    assert usage == [0.0, 0.0], f"KV blocks still in use after the storm: {usage}"
     # and the pair still serves correctly
     prompt = prompts[5]
     assert _signature(_complete(url, prompt)) == stack["reference"][prompt]

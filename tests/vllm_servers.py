@@ -82,7 +82,7 @@ class Server:
 def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_dir: Path,
                 kv_role: str | None = None, kv_port: int | None = None, connector: str = "push",
                 extra_config: dict | None = None, extra_env: dict | None = None,
-                max_model_len: int = 1024) -> Server:
+                max_model_len: int = 1024, by_name: bool = False) -> Server:
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
@@ -96,6 +96,8 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_
                    "kv_role": kv_role, "kv_buffer_device": "cpu",
                    "kv_connector_extra_config": {"side_channel_port": kv_port,
                                                  **(extra_config or {})}}
+            if by_name:  # found through our vllm.general_plugins entry point
+                del cfg["kv_connector_module_path"]
         else:  # vLLM's own connectors: NixlConnector (pull) or NixlPushConnector
             cfg = {"kv_connector": connector, "kv_role": kv_role, "kv_buffer_device": "cpu",
                    "kv_connector_extra_config": extra_config or {}}
