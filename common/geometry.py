@@ -167,78 +167,33 @@ def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]
     return h, h + 1
 
 
-def kv_split(
-    *,
-    layer_bases: list[tuple[int, int]] | tuple[tuple[int, int], ...],
-    num_kv_heads: int,
-    head_size: int,
-    dtype_bytes: int,
-    dtype: str,
-    block_size: int,
-    num_blocks: int,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    token_order: TokenOrder = "NHD",
-    mem_type: str = "DRAM",
-    dev_id: int = 0,
-) -> KVGeometry:
-    """K and V as separate regions per layer: ``layer_bases[l] == (k_base, v_base)``."""
-    local = max(1, num_kv_heads // tp_size)
-    block_bytes = block_size * local * head_size * dtype_bytes
-    return KVGeometry(
-        num_layers=len(layer_bases),
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype_bytes=dtype_bytes,
-        dtype=dtype,
-        block_size=block_size,
-        token_order=token_order,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        num_blocks=num_blocks,
-        block_stride=block_bytes,
-        k_bases=tuple(int(k) for k, _ in layer_bases),
-        v_bases=tuple(int(v) for _, v in layer_bases),
-        mem_type=mem_type,
-        dev_id=dev_id,
-    )
+def _block_bytes(kw: dict) -> int:
+    """Fill the constructors' defaults into ``kw``; return one block part's bytes."""
+    kw.setdefault("tp_size", 1)
+    kw.setdefault("tp_rank", 0)
+    kw.setdefault("token_order", "NHD")
+    local = max(1, kw["num_kv_heads"] // kw["tp_size"])
+    return kw["block_size"] * local * kw["head_size"] * kw["dtype_bytes"]
 
 
-def blocks_first(
-    *,
-    layer_bases: list[int] | tuple[int, ...],
-    num_kv_heads: int,
-    head_size: int,
-    dtype_bytes: int,
-    dtype: str,
-    block_size: int,
-    num_blocks: int,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    token_order: TokenOrder = "NHD",
-    mem_type: str = "DRAM",
-    dev_id: int = 0,
-) -> KVGeometry:
-    """One region per layer, each block holding its K then its V."""
-    local = max(1, num_kv_heads // tp_size)
-    block_bytes = block_size * local * head_size * dtype_bytes
-    return KVGeometry(
-        num_layers=len(layer_bases),
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype_bytes=dtype_bytes,
-        dtype=dtype,
-        block_size=block_size,
-        token_order=token_order,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        num_blocks=num_blocks,
-        block_stride=2 * block_bytes,
-        k_bases=tuple(int(b) for b in layer_bases),
-        v_bases=tuple(int(b) + block_bytes for b in layer_bases),
-        mem_type=mem_type,
-        dev_id=dev_id,
-    )
+def kv_split(*, layer_bases, **kw) -> KVGeometry:
+    """K and V as separate regions per layer: ``layer_bases[l] == (k_base, v_base)``.
+
+    ``kw``: the remaining ``KVGeometry`` fields (num_kv_heads, head_size, dtype_bytes, dtype,
+    block_size, num_blocks, and optionally tp_size, tp_rank, token_order, mem_type, dev_id).
+    """
+    block_bytes = _block_bytes(kw)
+    return KVGeometry(num_layers=len(layer_bases), block_stride=block_bytes,
+                      k_bases=tuple(int(k) for k, _ in layer_bases),
+                      v_bases=tuple(int(v) for _, v in layer_bases), **kw)
+
+
+def blocks_first(*, layer_bases, **kw) -> KVGeometry:
+    """One region per layer, each block holding its K then its V (``kw`` as for kv_split)."""
+    block_bytes = _block_bytes(kw)
+    return KVGeometry(num_layers=len(layer_bases), block_stride=2 * block_bytes,
+                      k_bases=tuple(int(b) for b in layer_bases),
+                      v_bases=tuple(int(b) + block_bytes for b in layer_bases), **kw)
 
 
 def pool_bytes(
@@ -251,62 +206,24 @@ def pool_bytes(
     return num_layers * parts * num_blocks * block_bytes
 
 
-def pooled(
-    *,
-    base: int,
-    placement: str,
-    num_layers: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype_bytes: int,
-    dtype: str,
-    block_size: int,
-    num_blocks: int,
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    token_order: TokenOrder = "NHD",
-    mem_type: str = "DRAM",
-    dev_id: int = 0,
-) -> KVGeometry:
+def pooled(*, base: int, placement: str, num_layers: int, **kw) -> KVGeometry:
     """A geometry for one contiguous pool at ``base`` laid out layer after layer.
 
     Used by the host backend, the demo, the tests and the benchmarks, where we own the memory.
-    ``placement`` "combined" is ``kv_parts == 1`` (vLLM CPU's ``[K | V]`` vectors): one part per
-    block, ``head_size`` elements per vector.
+    ``placement`` is "kv_split", "blocks_first" or "combined" (``kv_parts == 1``, vLLM CPU's
+    ``[K | V]`` vectors: one part per block, ``head_size`` elements per vector); ``kw`` as for
+    ``kv_split``.
     """
-    local = max(1, num_kv_heads // tp_size)
-    block_bytes = block_size * local * head_size * dtype_bytes
-    layer_bytes = 2 * num_blocks * block_bytes
-    common = dict(
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype_bytes=dtype_bytes,
-        dtype=dtype,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        token_order=token_order,
-        mem_type=mem_type,
-        dev_id=dev_id,
-    )
+    block_bytes = _block_bytes(kw)
+    num_blocks = kw["num_blocks"]
+    part = num_blocks * block_bytes
     if placement == "kv_split":
-        return kv_split(
-            layer_bases=[
-                (base + l * layer_bytes, base + l * layer_bytes + num_blocks * block_bytes)
-                for l in range(num_layers)
-            ],
-            **common,
-        )
+        return kv_split(layer_bases=[(base + 2 * l * part, base + (2 * l + 1) * part)
+                                     for l in range(num_layers)], **kw)
     if placement == "blocks_first":
-        return blocks_first(
-            layer_bases=[base + l * layer_bytes for l in range(num_layers)], **common
-        )
+        return blocks_first(layer_bases=[base + 2 * l * part for l in range(num_layers)], **kw)
     if placement == "combined":
-        layer_bytes = num_blocks * block_bytes
-        return KVGeometry(
-            num_layers=num_layers, block_stride=block_bytes, kv_parts=1,
-            k_bases=tuple(base + l * layer_bytes for l in range(num_layers)), v_bases=(),
-            **common,
-        )
+        return KVGeometry(num_layers=num_layers, block_stride=block_bytes, kv_parts=1,
+                          k_bases=tuple(base + l * part for l in range(num_layers)), v_bases=(),
+                          **kw)
     raise GeometryError(f"unknown placement {placement!r}")
