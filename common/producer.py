@@ -212,7 +212,12 @@ class Producer:
     def _start(self, pairing: Pairing) -> None:
         src, reg = pairing.source, pairing.registration
         peer = self.t.peers.get(reg.peer)
-        tr = self.transfers.setdefault(src.transfer_id, _Transfer())
+        tr = self.transfers.get(src.transfer_id)
+        if tr is None:
+            # Retired while an earlier pairing of the same prefill was started (its WRITE was
+            # DONE at the first poll and no target rank was left): this pairing is a decoder
+            # rank we do not write to. Re-creating the entry here would leak it.
+            return
         if peer is None:
             tr.resolved.add(reg.tp_rank)
             return
