@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 Address = tuple[str, int]
 
+#: key prefix of internal release-only notices (a cancel that came before the handshake ended)
+RELEASE_NOTICE = "\x00release:"
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -89,6 +92,7 @@ class _Want:
     arrived: set[int] = field(default_factory=set)
     outcome: str = ""
     reason: str = ""
+    silent: bool = False  # a release-only notice: no outcome goes to the engine
 
 
 class Consumer:
@@ -287,7 +291,19 @@ class Consumer:
             return
         want.outcome, want.reason = outcome, reason
         if want.state == "connecting":
-            want.resolved |= set(want.expected)
+            # Nothing was advertised, so nothing can be written: done now. The producer may
+            # still hold the prefill for this transfer; once connected, tell it that nothing is
+            # wanted (a registration with no blocks) so it frees them without waiting for its
+            # rendezvous time-out.
+            self._finish(want, outcome, reason)
+            if not want.silent and outcome == "released":
+                notice = _Want(RELEASE_NOTICE + want.key, want.transfer_id, want.attempt,
+                               want.address, (), want.first_token, want.first_token,
+                               want.deadline, want.started, silent=True)
+                self.wants[notice.key] = notice
+                self.by_tid[notice.transfer_id] = notice.key
+                self._advance(notice)
+            return
         want.state = "fencing"
         for rank in sorted(want.expected - want.resolved):
             peer = want.sent.get(rank)
@@ -311,7 +327,8 @@ class Consumer:
         self.wants.pop(want.key, None)
         if self.by_tid.get(want.transfer_id) == want.key:
             del self.by_tid[want.transfer_id]
-        self.outcomes.put(Outcome(want.key, kind, reason))
+        if not want.silent:
+            self.outcomes.put(Outcome(want.key, kind, reason))
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:

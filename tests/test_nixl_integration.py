@@ -386,3 +386,26 @@ def test_many_concurrent_fragmented(peers, figures):
     assert sorted(P.call("wait_released", [r[1] for r in reqs], 10)) == sorted(r[1] for r in reqs)
     figures("integration", f"{count} concurrent fragmented requests, all verified", elapsed,
             f"{sum(sizes)} tokens")
+
+
+def test_cancel_during_first_handshake_still_frees_the_producer(peers):
+    """D cancels before its handshake with a new producer finished: D is released at once (it
+    advertised no blocks) and P, once the handshake ends, still learns that nothing is wanted and
+    frees its prefill blocks without waiting for its rendezvous time-out (120 s)."""
+    (fresh,) = start_peers(_producer("kv_split", "NHD", 16))
+    try:
+        d = peers.D24
+        tid, key = uid("t-hs-cancel"), uid("r")
+        dblocks = blocks_for(64, 24)
+        d.call("expect", key, tid, 0, fresh.call("address"), dblocks, 0, 64)
+        d.call("cancel", key)  # same inbox drain: the handshake is still running
+        kind, _, _ = d.call("wait_outcome", key, 10)
+        assert kind == "released"
+        pblocks = blocks_for(64, 16)
+        fresh.call("prefill_done", "src-" + key, tid, pblocks, 64)
+        released = fresh.call("wait_released", ["src-" + key], 10)
+        assert released == ["src-" + key], "producer kept its blocks after the decoder let go"
+        assert fresh.call("counters").get("bytes_written", 0) == 0
+        assert_no_leaks([fresh], [d])
+    finally:
+        close_peers(fresh)
