@@ -143,7 +143,13 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
                         f"opaque block layouts need equal {name}: {a} here, {b} at the peer")
 
     def regions(self) -> list[tuple[int, int]]:
-        """(address, length) of the memory this geometry spans, coalesced, for registration."""
+        """(address, length) of the memory to register: one span per layer and part.
+
+        Spans that overlap (blocks_first: K and V interleaved in one tensor) are one region;
+        spans that merely touch are NOT merged: two tensors that happen to be adjacent are two
+        device allocations, and a region crossing allocations cannot be mapped (UCX cuda_ipc
+        maps the allocation of a region's first byte).
+        """
         spans = []
         reach = (self.num_blocks - 1) * self.block_stride + self.block_bytes
         for base in (*self.k_bases, *self.v_bases):
@@ -151,7 +157,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         spans.sort()
         merged: list[list[int]] = []
         for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
+            if merged and lo < merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], hi)
             else:
                 merged.append([lo, hi])

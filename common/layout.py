@@ -42,7 +42,8 @@ side keeps K and V apart (``kv_split``), or K then V of every piece when both si
 right after its K (``blocks_first``), so whole blocks merge K+V. A piece is then merged into the
 previous one when both its source and its destination start where the previous one ends. With the
 same layout on both sides and consecutive block ids, a whole layer's K (or K+V) becomes one
-region.
+region. Regions never cross from one layer (or, for kv_split, one part) to the next: those are
+registered separately because adjacent tensors are still separate device allocations.
 
 Validation
 ----------
@@ -359,14 +360,18 @@ def _broadcast_and_merge(src: KVGeometry, dst: KVGeometry, s_off: np.ndarray, d_
     parts = src.kv_parts
     s_base = np.array(src.part_bases, dtype=np.int64).T  # (layers, parts)
     d_base = np.array(dst.part_bases, dtype=np.int64).T
+    layers = src.num_layers
     if _kv_adjacent(src) and _kv_adjacent(dst):
         s_all = (s_base[:, None, :] + s_off[None, :, None]).ravel()
         d_all = (d_base[:, None, :] + d_off[None, :, None]).ravel()
-        l_all = np.broadcast_to(plen[None, :, None], (src.num_layers, pieces, parts)).ravel()
+        l_all = np.broadcast_to(plen[None, :, None], (layers, pieces, parts)).ravel()
+        # K and V of one block share an allocation: the unit a region may not leave is a layer
+        unit = np.repeat(np.arange(layers), pieces * parts)
     else:
         s_all = (s_base[:, :, None] + s_off[None, None, :]).ravel()
         d_all = (d_base[:, :, None] + d_off[None, None, :]).ravel()
-        l_all = np.broadcast_to(plen[None, None, :], (src.num_layers, parts, pieces)).ravel()
+        l_all = np.broadcast_to(plen[None, None, :], (layers, parts, pieces)).ravel()
+        unit = np.repeat(np.arange(layers * parts), pieces)  # one (layer, part) span
 
     # Merge: a piece continues the previous one when both its ends line up.
     s_end = s_all[:-1] + l_all[:-1]
@@ -374,6 +379,9 @@ def _broadcast_and_merge(src: KVGeometry, dst: KVGeometry, s_off: np.ndarray, d_
     new[0] = True
     np.not_equal(s_end, s_all[1:], out=new[1:])
     new[1:] |= (d_all[:-1] + l_all[:-1]) != d_all[1:]
+    # never across a layer's (or part's) span: each is registered as its own region, since
+    # adjacent tensors are still separate device allocations
+    new[1:] |= unit[:-1] != unit[1:]
     heads_at = np.flatnonzero(new)
     return WritePlan(
         src=s_all[heads_at].astype(np.uint64),

@@ -54,7 +54,8 @@ class PushWorker:
         if transport_factory is None:
             backends = self._nixl_backends()
             transport_factory = lambda: NixlTransport(  # noqa: E731
-                name=f"kvpush-{self.engine_id[:12]}-r{geometry.tp_rank}", backends=backends)
+                name=f"kvpush-{self.engine_id}-r{geometry.tp_rank}-{uuid.uuid4().hex[:8]}",
+                backends=backends)
         transport = transport_factory()
         transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
         self.backend.verify_registration(geometry)

@@ -66,6 +66,16 @@ class CudaDriver:
             return None
         return ordinal.value
 
+    def allocation_range(self, addr: int) -> tuple[int, int] | None:
+        """(base, size) of the CUDA allocation holding ``addr`` (cuMemGetAddressRange)."""
+        lib = self._load()
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        fn = lib.cuMemGetAddressRange_v2
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+        if fn(ctypes.byref(base), ctypes.byref(size), addr) != 0:
+            return None
+        return base.value, size.value
+
 
 class CudaBackend:
     """KV cache in CUDA device memory (needs torch with a usable CUDA device)."""
@@ -130,3 +140,10 @@ class CudaBackend:
                         f"KV address {addr:#x} is on GPU {ordinal}, but the geometry says "
                         f"dev_id {geometry.dev_id}"
                     )
+            # UCX cuda_ipc maps the allocation of a region's first byte: a region must not
+            # cross allocations (two adjacent per-layer tensors are two allocations)
+            span = getattr(self.driver, "allocation_range", lambda a: None)(base)
+            if span is not None and base + length > span[0] + span[1]:
+                raise BackendError(
+                    f"KV region {base:#x}+{length} crosses CUDA allocations (the one at its "
+                    f"start ends at {span[0] + span[1]:#x}); it cannot be registered as one")

@@ -465,7 +465,7 @@ def test_cuda_hardware_describe_register_verify():
     g = describe_kv_caches(layers, backend=backend, num_kv_heads=h, head_size=d, block_size=bs,
                            tp_size=1, tp_rank=0, dtype="bfloat16")
     assert g.mem_type == "VRAM" and g.dev_id == 0 and g.token_order == "NHD"
-    agent = _nixl_agent("kv-push-cuda-test", backend.nixl_backends)
+    agent = _nixl_agent("kv-push-cuda-test", backend.nixl_backends[:1])
     descs = [(addr, n, g.dev_id, "") for addr, n in g.regions()]
     reg = agent.register_memory(agent.get_reg_descs(descs, "VRAM"))
     backend.verify_registration(g)  # cuPointerGetAttribute says device memory of GPU 0

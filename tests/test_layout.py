@@ -107,6 +107,19 @@ def apply_plan(
         writes[d : d + n] += 1
 
 
+def assert_within_registered_regions(plan: WritePlan, src: KVGeometry, dst: KVGeometry) -> None:
+    """Every region lies inside one registered span on each side (NIXL needs that, and a GPU
+    region crossing two allocations cannot be mapped)."""
+    for side, geo in (("src", src), ("dst", dst)):
+        spans = np.array(geo.regions(), dtype=np.int64)
+        starts = spans[:, 0]
+        addrs = getattr(plan, side).astype(np.int64)
+        idx = np.searchsorted(starts, addrs, side="right") - 1
+        assert (idx >= 0).all()
+        ends = starts[idx] + spans[idx, 1]
+        assert (addrs + plan.length.astype(np.int64) <= ends).all(), f"{side} region crosses spans"
+
+
 def pick_blocks(rng: np.random.Generator, num_blocks: int, count: int, consecutive: bool) -> list[int]:
     if consecutive:
         first = int(rng.integers(0, num_blocks - count + 1))
@@ -183,6 +196,7 @@ def run_case(c: Case) -> list[WritePlan]:
             assert plan.num_regions == 0 and plan.total_bytes == 0
             continue
         plans.append(plan)
+        assert_within_registered_regions(plan, src, dst)
         # Producer memory: the logical vectors where the geometry puts them, noise elsewhere.
         smem = rng.integers(0, 256, pool_size(src), dtype=np.uint8)
         wanted = np.zeros(smem.shape[0], dtype=np.int32)  # bytes this writer must read
@@ -527,3 +541,18 @@ def test_opaque_blocks_need_identical_geometry(change) -> None:
     dst = make_geo(base=DST_BASE, **{**kw, **change})
     with pytest.raises(GeometryError, match="opaque"):
         plan_writes(src, [0], dst, [0], first_token=0, num_tokens=10)
+
+
+@pytest.mark.parametrize("placement", ["kv_split", "blocks_first", "combined"])
+def test_regions_never_cross_layers_even_when_memory_is_contiguous(placement) -> None:
+    """A pool using every block in order is one contiguous range, yet layers (and kv_split
+    parts) are registered, and so must be written, separately: adjacent tensors are distinct
+    device allocations."""
+    kw = dict(placement=placement, order="NHD", layers=3, heads=2, head_size=4, dtype_bytes=2,
+              block_size=4, num_blocks=4)
+    src = make_geo(base=SRC_BASE, **kw)
+    dst = make_geo(base=DST_BASE, **kw)
+    plan = plan_writes(src, [0, 1, 2, 3], dst, [0, 1, 2, 3], first_token=0, num_tokens=16)
+    spans = 3 if placement != "kv_split" else 6
+    assert plan.num_regions == spans == len(src.regions())
+    assert_within_registered_regions(plan, src, dst)
