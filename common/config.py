@@ -41,6 +41,10 @@ class PushConfig:
     secret: bytes = field(default=b"", repr=False)
     #: producer and decoder share a host (Neuron: needs FI_EFA_ENABLE_SHM_TRANSFER=0)
     colocated: bool = False
+    #: a WRITE is posted in chunks of at most this many bytes / regions, one chunk per loop
+    #: step, so a long copy never keeps the transfer thread from heartbeating for long
+    max_post_bytes: int = 64 << 20
+    max_post_regions: int = 8192
     #: how long the transfer thread sleeps when idle (it spins while transfers are in flight)
     idle_poll_s: float = 0.001
 
@@ -55,6 +59,8 @@ class PushConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_post_bytes <= 0 or self.max_post_regions <= 0:
+            raise ConfigError("max_post_bytes and max_post_regions must be positive")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a port")
         if self.backend not in ("", "host", "cuda", "neuron"):

@@ -90,6 +90,7 @@ class _Want:
     expected: set[int] = field(default_factory=set)  # producer ranks that write to us
     resolved: set[int] = field(default_factory=set)  # ranks that can no longer write
     arrived: set[int] = field(default_factory=set)
+    chunks_seen: dict[int, set[int]] = field(default_factory=dict)  # rank -> WriteDone chunks
     outcome: str = ""
     reason: str = ""
     silent: bool = False  # a release-only notice: no outcome goes to the engine
@@ -267,8 +268,11 @@ class Consumer:
         if isinstance(msg, WriteDone):
             if rank not in want.expected:
                 raise MessageRejected("unexpected", f"WriteDone from non-writer rank {rank}")
-            want.arrived.add(rank)
-            want.resolved.add(rank)
+            seen = want.chunks_seen.setdefault(rank, set())
+            seen.add(msg.chunk)
+            if len(seen) == msg.chunks:
+                want.arrived.add(rank)
+                want.resolved.add(rank)
         elif isinstance(msg, CancelAck):
             want.resolved.add(rank)
         elif isinstance(msg, TransferFailed):

@@ -74,13 +74,18 @@ class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
 
 
 class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
-    """P -> D, carried by the last WRITE of a transfer: all of my regions for you are written."""
+    """P -> D, carried by each WRITE of a transfer: chunk ``chunk`` of ``chunks`` is written.
+
+    A producer posts a long transfer in bounded chunks; the decoder has the KV of that producer
+    rank once it has seen all ``chunks`` notices."""
 
     transfer_id: str
     attempt: int
     engine_id: str
     tp_rank: int
     num_bytes: int
+    chunk: int = 0
+    chunks: int = 1
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
@@ -227,6 +232,9 @@ def _check_sane(msg: Message) -> None:
             raise MessageRejected("invalid", "negative block id")
         if not msg.transfer_id:
             raise MessageRejected("invalid", "empty transfer id")
+    elif isinstance(msg, WriteDone):
+        if msg.chunks < 1 or not 0 <= msg.chunk < msg.chunks or msg.num_bytes < 0:
+            raise MessageRejected("invalid", f"write notice chunk {msg.chunk} of {msg.chunks}")
     elif isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from .geometry import GeometryError
 from .layout import plan_writes, target_ranks
 from .messages import (
@@ -46,14 +48,36 @@ from .transfer_thread import Peer, TransferThread
 logger = logging.getLogger(__name__)
 
 
+def _chunk_bounds(lengths, max_bytes: int, max_regions: int) -> list[tuple[int, int]]:
+    """Cut a plan's regions into consecutive chunks of at most ``max_regions`` regions and about
+    ``max_bytes`` bytes (a single larger region is a chunk of its own)."""
+    ends = np.cumsum(lengths.astype(np.int64))
+    bounds, start, base = [], 0, 0
+    n = len(lengths)
+    while start < n:
+        by_bytes = int(np.searchsorted(ends, base + max_bytes, side="right"))
+        stop = min(max(by_bytes, start + 1), start + max_regions, n)
+        bounds.append((start, stop))
+        base = int(ends[stop - 1])
+        start = stop
+    return bounds
+
+
 @dataclass
 class _Job:
+    """One registration's WRITE, posted in bounded chunks, one chunk per loop step, so that the
+    transfer thread keeps heartbeating and serving other peers during a long copy (over UCX's
+    CPU path the whole copy happens inside the post). Each chunk carries its own ``WriteDone``
+    (``chunk`` i of ``chunks``); the decoder counts them all."""
+
     pairing: Pairing
     peer: str
-    handle: object
     started: float
     num_bytes: int
+    pending: list  # chunks not yet posted: (src descs, dst descs, notification)
+    handles: list = field(default_factory=list)
     ack_cancel: bool = False
+    error: str = ""
 
 
 @dataclass
@@ -210,6 +234,7 @@ class Producer:
 
     # -- transfers -----------------------------------------------------------------------------
     def _start(self, pairing: Pairing) -> None:
+        started = self.t.clock()
         src, reg = pairing.source, pairing.registration
         peer = self.t.peers.get(reg.peer)
         tr = self.transfers.get(src.transfer_id)
@@ -239,36 +264,49 @@ class Producer:
             return
         if plan.head_sliced:
             self.t.counters.inc("head_sliced_plans")
-        notif = self.t.codec.encode(WriteDone(
-            transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.t.engine_id,
-            tp_rank=self.t.tp_rank, num_bytes=plan.total_bytes))
         g = self.t.geometry
-        handle = self.t.transport.write(
-            reg.peer, plan.descs("src", g.dev_id), plan.descs("dst", peer.geometry.dev_id),
-            g.mem_type, peer.geometry.mem_type, notif)
-        self.t.counters.inc("writes_posted")
+        src_d, dst_d = plan.descs("src", g.dev_id), plan.descs("dst", peer.geometry.dev_id)
+        cuts = _chunk_bounds(plan.length, self.t.config.max_post_bytes,
+                             self.t.config.max_post_regions)
+        pending = []
+        for i, (a, b) in enumerate(cuts):
+            notif = self.t.codec.encode(WriteDone(
+                transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.t.engine_id,
+                tp_rank=self.t.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
+                chunks=len(cuts)))
+            pending.append((src_d[a:b], dst_d[a:b], notif))
         self.t.counters.inc("regions_written", plan.num_regions)
-        self.jobs[(reg.transfer_id, reg.tp_rank, reg.attempt)] = _Job(
-            pairing, reg.peer, handle, self.t.clock(), plan.total_bytes)
-        self._poll_job((reg.transfer_id, reg.tp_rank, reg.attempt))
+        jkey = (reg.transfer_id, reg.tp_rank, reg.attempt)
+        self.jobs[jkey] = _Job(pairing, reg.peer, started, plan.total_bytes, pending)
+        self._poll_job(jkey)
 
     def _poll_job(self, jkey: tuple[str, int, int]) -> None:
         job = self.jobs[jkey]
-        state = self.t.transport.poll(job.handle)
-        if state == "PROC":
-            return
+        if job.pending and not job.error and not job.ack_cancel:
+            src_d, dst_d, notif = job.pending.pop(0)
+            g, peer = self.t.geometry, self.t.peers.get(job.peer)
+            dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
+            job.handles.append(self.t.transport.write(job.peer, src_d, dst_d, g.mem_type,
+                                                      dst_mem, notif))
+            self.t.counters.inc("writes_posted")
+        states = [self.t.transport.poll(h) for h in job.handles]
+        if "ERR" in states and not job.error:
+            bad = job.handles[states.index("ERR")]
+            job.error = getattr(self.t.transport, "failure_reason",
+                                lambda h: "WRITE failed")(bad)
+        if "PROC" in states or (job.pending and not job.error and not job.ack_cancel):
+            return  # in flight, or more to post: nothing may be released yet
         del self.jobs[jkey]
         tid, d_rank, attempt = jkey
         reg = job.pairing.registration
-        if state == "DONE":
+        for h in job.handles:
+            self.t.transport.release(h)
+        if job.error:
+            self._fail(job.peer, tid, attempt, job.error)
+        elif not job.pending:
             self.t.counters.inc("transfers_done")
             self.t.counters.inc("bytes_written", job.num_bytes)
             self.t.counters.inc("transfer_seconds", self.t.clock() - job.started)
-        else:
-            reason = getattr(self.t.transport, "failure_reason", lambda h: "WRITE failed")(
-                job.handle)
-            self._fail(job.peer, tid, attempt, reason)
-        self.t.transport.release(job.handle)
         if job.ack_cancel and job.peer in self.t.peers:
             self._ack(job.peer, tid, d_rank, attempt)
         tr = self.transfers.get(tid)
@@ -340,7 +378,8 @@ class Producer:
             if job.peer == peer.agent_name:
                 # its memory is gone with it; stop tracking and let the source go
                 del self.jobs[jkey]
-                self.t.transport.release(job.handle)
+                for h in job.handles:
+                    self.t.transport.release(h)
                 tr = self.transfers.get(jkey[0])
                 if tr is not None:
                     tr.resolved.add(jkey[1])
@@ -350,7 +389,8 @@ class Producer:
 
     def close(self) -> None:
         for job in self.jobs.values():
-            self.t.transport.release(job.handle)
+            for h in job.handles:
+                self.t.transport.release(h)
         self.jobs.clear()
 
     # -- introspection for tests and metrics ----------------------------------------------------

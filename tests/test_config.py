@@ -30,6 +30,8 @@ SETTABLE = {
     "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
                   ("false", False), ("No", False), ("0", False), (False, False)],
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
+    "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
+    "max_post_regions": [("16", 16), (1, 1)],
 }
 
 
@@ -95,6 +97,8 @@ def test_unknown_key_is_named(key):
     ("transfer_timeout_s", "-0.1"),
     ("handshake_timeout_s", 0.0),
     ("idle_poll_s", -0.001),
+    ("max_post_bytes", 0),
+    ("max_post_regions", -1),
     ("idle_poll_s", None),
     ("side_channel_port", -1),
     ("side_channel_port", 65536),

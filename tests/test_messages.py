@@ -401,6 +401,8 @@ def oracle_invalid(msg) -> bool:
     if isinstance(msg, Register):
         return (msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token
                 or any(b < 0 for b in msg.block_ids) or msg.transfer_id == "")
+    if isinstance(msg, WriteDone):
+        return msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
     if isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()
@@ -503,7 +505,7 @@ def test_fuzz_structured_body_mutations(msg, edits, secret, version):
             body[name] = value
         elif op == "tag":
             body["type"] = TAGS[len(name) % len(TAGS)] if len(name) % 3 else name
-        elif op == "geo" and isinstance(body.get("geometry"), dict):
+        elif op == "geo" and isinstance(body.get("geometry"), dict) and body["geometry"]:
             gkeys = sorted(body["geometry"])
             body["geometry"][gkeys[zlib.crc32(name.encode()) % len(gkeys)]] = value
     raw = msgspec.msgpack.encode(body)

@@ -409,3 +409,28 @@ def test_cancel_during_first_handshake_still_frees_the_producer(peers):
         assert_no_leaks([fresh], [d])
     finally:
         close_peers(fresh)
+
+
+def test_long_write_is_posted_in_chunks_and_counted_whole(peers):
+    """With tiny chunk limits one transfer becomes many WRITEs, each with its own notice; D has
+    the KV only when all of them arrived, bytes verified."""
+    (chunky,) = start_peers(_producer("kv_split", "NHD", 16,
+                                      config={"side_channel_port": 0, "max_post_regions": 3,
+                                              "max_post_bytes": 4096}))
+    try:
+        d = peers.D24
+        n, tid, key = 200, uid("t-chunks"), uid("r")
+        pblocks = fragmented_blocks(np.random.default_rng(5), 256, -(-n // 16))
+        dblocks = blocks_for(n, 24)
+        chunky.call("fill", 77, n, pblocks)
+        d.call("expect", key, tid, 0, chunky.call("address"), dblocks, 0, n)
+        chunky.call("prefill_done", "src-" + key, tid, pblocks, n)
+        kind, reason, _ = d.call("wait_outcome", key, 30)
+        assert kind == "received", reason
+        assert d.call("verify", 77, n, dblocks, 0) == 0
+        c = chunky.call("counters")
+        assert c["writes_posted"] > 5 and c["transfers_done"] == 1
+        assert chunky.call("wait_released", ["src-" + key], 10) == ["src-" + key]
+        assert_no_leaks([chunky], [d])
+    finally:
+        close_peers(chunky)
