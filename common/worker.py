@@ -117,8 +117,9 @@ class PushWorker:
     # -- producer --------------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int) -> None:
         producer = self._need(self.producer, "prefill_done")
-        ids = tuple(int(b) for b in block_ids)
-        self.thread.submit(lambda: producer.prefill_done(key, transfer_id, ids, num_tokens))
+        ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
+        self.thread.submit(lambda: producer.prefill_done(key, transfer_id, tuple(map(int, ids)),
+                                                         num_tokens))
 
     def prefill_failed(self, transfer_id: str, reason: str = "aborted") -> None:
         producer = self._need(self.producer, "prefill_failed")
@@ -131,9 +132,9 @@ class PushWorker:
     def expect(self, key: str, transfer_id: str, attempt: int, address: tuple[str, int],
                block_ids, first_token: int, num_tokens: int) -> None:
         consumer = self._need(self.consumer, "expect")
-        ids = tuple(int(b) for b in block_ids)
-        self.thread.submit(lambda: consumer.expect(key, transfer_id, attempt, address, ids,
-                                                   first_token, num_tokens))
+        ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
+        self.thread.submit(lambda: consumer.expect(key, transfer_id, attempt, address,
+                                                   tuple(map(int, ids)), first_token, num_tokens))
 
     def cancel(self, key: str, reason: str = "aborted") -> None:
         consumer = self._need(self.consumer, "cancel")
