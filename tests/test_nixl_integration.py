@@ -434,3 +434,23 @@ def test_long_write_is_posted_in_chunks_and_counted_whole(peers):
         assert_no_leaks([chunky], [d])
     finally:
         close_peers(chunky)
+
+
+@pytest.mark.parametrize("direction", ["neuron_to_cuda", "cuda_to_neuron"])
+def test_cross_vendor_layouts(direction):
+    """Neuron's KV (K and V as separate regions, head-major, vllm-neuron's block size 32) into a
+    CUDA decoder's (FlashInfer-style blocks-first, token-major, block size 16), and the reverse:
+    the two vendors' layouts in host memory, over real NIXL, bytes verified."""
+    neuron = dict(placement="kv_split", order="HND", block_size=32)
+    cuda = dict(placement="blocks_first", order="NHD", block_size=16)
+    p_kw, d_kw = (neuron, cuda) if direction == "neuron_to_cuda" else (cuda, neuron)
+    p, d = start_peers(_producer(**p_kw), _consumer(**d_kw))
+    try:
+        n = 333
+        rng = np.random.default_rng(11)
+        push([p], [d], num_tokens=n,
+             pblocks=fragmented_blocks(rng, 256, -(-n // p_kw["block_size"])),
+             dblocks=fragmented_blocks(rng, 256, -(-n // d_kw["block_size"])))
+        assert_no_leaks([p], [d])
+    finally:
+        close_peers(p, d)
