@@ -32,8 +32,17 @@ a D failure cancels P; a P failure after D's first byte is only counted
   base_worker.py:1112). vLLM draws it at random per start (config/kv_transfer.py:112; ``_dp<rank>``
   appended with DP, v1/engine/utils.py:488), so unless ``--prefill ...,engine_id=ID`` is given the
   router learns it (and tp/pp) from the ``kv_transfer_params`` P returns (push_scheduler.py:281-293,
-  ``transfer_mode="push"``): a P's requests go serially (D gets P's params verbatim, as in pull)
-  until its id is known, then concurrently, re-learning on every P response (restarts).
+  ``transfer_mode="push"``): a P's requests go serially until its id is known, then
+  concurrently, re-learning on every P response (restarts). A serial D leg gets the same params
+  as a concurrent one, not P's verbatim: P's verbatim params carry ``remote_request_id``, which
+  turns on D's heartbeats (base_scheduler.py:199-236), and D's first heartbeat starts a full
+  handshake with P (base_worker.py:3185, not notif-only) that D's PUSH_REG then waits on
+  (``_ensure_handshake`` shares one future per engine). On this 2-core box that handshake
+  finished only as P's 30 s lease ran out ("Releasing expired KV blocks ... retrieved by 0 remote
+  worker(s)"), so P never wrote and D hung (why it took so long was not found). Without
+  heartbeats D's notif-only handshake (push_worker.py:328-338) was usually quicker, but under
+  heavy load (load average ~19 on 2 cores) a serial first request still hung the same way once:
+  D's leg starts only after P's 30 s lease has begun. Give ``engine_id=`` to skip that phase.
 * Concurrent legs are supported: P parks whichever of its finished blocks / D's registration
   comes first (push_worker.py:255-264, :297-313). They match by request id with vLLM's random
   ``-xxxxxxxx`` suffix stripped (push_worker.py:398-428, utils.py:62-67). Those ids are
@@ -41,7 +50,16 @@ a D failure cancels P; a P failure after D's first byte is only counted
   ``chatcmpl-{X-Request-Id}-{rand8}`` (chat_completion/serving.py:315), so both legs must use the
   same endpoint and the same ``X-Request-Id``; otherwise D waits silently for its registration
   watchdog (``push_registration_timeout``, default ``decoder_kv_blocks_ttl`` = 480 s).
-* P's ``remote_request_id`` is unknown up front, so D skips heartbeats (base_scheduler.py:214-222).
+* D's ``remote_request_id`` must be present: push_scheduler.py:200-201 seeds only
+  ``remote_block_ids`` before queueing the request in ``_reqs_need_recv``, and the base
+  scheduler's ``build_connector_meta`` (base_scheduler.py:488) calls metadata.py
+  ``add_new_req_to_recv``, which indexes ``kv_transfer_params["remote_request_id"]`` without a
+  default (metadata.py:334): a missing key is a KeyError that kills D's EngineCore. P's id
+  (``cmpl-{X-Request-Id}-0-{rand8}``) is unknown up front, so we send ``None``. On D it only
+  ends up in ``RemoteMeta.request_id``, which push mode only logs (base_worker.py:1241; the
+  PUSH_REG carries D's own request id and P's completion notification names D's request), and
+  ``None`` makes D skip heartbeats (base_scheduler.py:214-222), which could not name P's
+  request anyway.
 
 Also: ``GET /v1/models`` (first D's), ``GET /health`` (backends, outstanding counts;
 ``?probe=1`` checks each backend's ``/health``, 503 if one fails), ``GET /metrics`` (prefix
@@ -400,10 +418,11 @@ class Router:
             return {"transfer_id": ex.tid, "do_remote_prefill": True,
                     "remote_host": spec.kv_host, "remote_port": spec.kv_port}
         if self.config.mode == "upstream-push" and (peer := self.peers.get(spec.url)):
+            # remote_request_id: present (metadata.py indexes it) but None (P's id is unknown).
             return {"do_remote_prefill": True, "do_remote_decode": False,
-                    "remote_engine_id": peer.engine_id, "remote_host": spec.kv_host,
-                    "remote_port": spec.kv_port, "tp_size": peer.tp_size,
-                    "pp_size": peer.pp_size}
+                    "remote_engine_id": peer.engine_id, "remote_request_id": None,
+                    "remote_host": spec.kv_host, "remote_port": spec.kv_port,
+                    "tp_size": peer.tp_size, "pp_size": peer.pp_size}
         return None
 
     async def _await(self, ex: Exchange, task: asyncio.Task) -> Any:
@@ -422,7 +441,9 @@ class Router:
         d_params = self._decode_params(ex)
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
             p_json = await self._await(ex, ex.p_task)
-            d_params = p_json.get("kv_transfer_params")
+            # upstream-push: P's reply taught us its engine id (_prefill_leg); D gets the same
+            # params as a concurrent leg, not P's verbatim (see the module docstring).
+            d_params = self._decode_params(ex) or p_json.get("kv_transfer_params")
             if not d_params:
                 logger.warning("tid=%s: P returned no kv_transfer_params; D will recompute",
                                ex.tid)

@@ -172,11 +172,15 @@ async def test_upstream_push_learns_engine_id_then_overlaps():
     async with cluster(mode="upstream-push") as c:
         (p,), (d,) = c.prefills, c.decodes
         p.behavior.transfer_mode = "push"
-        # First request: P's engine id is unknown, so P goes first and D gets P's params.
+        # First request: P's engine id is unknown, so P goes first; D then gets the same params
+        # as a concurrent leg (not P's verbatim: remote_request_id would turn on D's heartbeats).
         p.behavior.delay = 0.2
         assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
         assert d.records[0].start >= p.records[0].end
-        assert d.records[0].kv == p.records[0].response_json["kv_transfer_params"]
+        assert d.records[0].kv == {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "engine-p0",
+            "remote_request_id": None, "remote_host": "127.0.0.1", "remote_port": KV_BASE_PORT,
+            "tp_size": 1, "pp_size": 1}
         # Then both legs at once, D told P's engine id, side channel and sizes.
         p.behavior.delay = 0.4
         status, data, headers = await post(c, "/v1/chat/completions", dict(CHAT, stream=True))
@@ -185,7 +189,8 @@ async def test_upstream_push_learns_engine_id_then_overlaps():
         assert drec.start < prec.start + 0.3, "legs did not overlap"
         assert prec.kv == PULL_PREFILL_PARAMS
         assert drec.kv == {"do_remote_prefill": True, "do_remote_decode": False,
-                           "remote_engine_id": "engine-p0", "remote_host": "127.0.0.1",
+                           "remote_engine_id": "engine-p0", "remote_request_id": None,
+                           "remote_host": "127.0.0.1",
                            "remote_port": KV_BASE_PORT, "tp_size": 1, "pp_size": 1}
         # NixlPushConnector pairs the legs by request id: same header, same endpoint.
         assert prec.request_id == drec.request_id == headers["x-request-id"]
@@ -201,6 +206,7 @@ async def test_upstream_push_with_configured_engine_id_is_concurrent_at_once():
         assert d.records[0].start < p.records[0].start + 0.3
         assert d.records[0].kv["remote_engine_id"] == "eng-x"
         assert d.records[0].kv["tp_size"] == 2
+        assert "remote_request_id" in d.records[0].kv  # metadata.py:334 indexes it
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
