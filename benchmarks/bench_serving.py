@@ -215,9 +215,12 @@ class Stack:
         a = self.args
         t0 = time.monotonic()
         kv_port = free_port()
+        # upstream push: P's engine id fixed and given to the router, so every request (the
+        # first too) is dispatched concurrently, as that connector intends
+        engine_id = f"upstream-p-{kv_port}" if mode == "upstream-push" else None
         p = vllm_server("prefill", python=a.python, model=a.model, port=free_port(), cpu=a.p_cpu,
                         log_dir=self.log_dir, kv_role="kv_producer", kv_port=kv_port,
-                        connector=connector, max_model_len=a.max_model_len)
+                        connector=connector, max_model_len=a.max_model_len, engine_id=engine_id)
         self.servers.append(p)
         d = vllm_server("decode", python=a.python, model=a.model, port=free_port(), cpu=a.d_cpu,
                         log_dir=self.log_dir, kv_role="kv_consumer", kv_port=free_port(),
@@ -225,7 +228,8 @@ class Stack:
         self.servers.append(d)
         p.wait_healthy(a.start_timeout)
         d.wait_healthy(a.start_timeout)
-        r = router(python=a.python, port=free_port(), prefill=[(p.url, kv_port)], decode=[d.url],
+        prefill = [(p.url, kv_port, engine_id)] if engine_id else [(p.url, kv_port)]
+        r = router(python=a.python, port=free_port(), prefill=prefill, decode=[d.url],
                    log_dir=self.log_dir, mode=mode)
         self.servers.append(r)
         r.wait_healthy(60)

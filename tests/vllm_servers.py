@@ -82,7 +82,8 @@ class Server:
 def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_dir: Path,
                 kv_role: str | None = None, kv_port: int | None = None, connector: str = "push",
                 extra_config: dict | None = None, extra_env: dict | None = None,
-                max_model_len: int = 1024, by_name: bool = False) -> Server:
+                max_model_len: int = 1024, by_name: bool = False,
+                engine_id: str | None = None) -> Server:
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
@@ -102,17 +103,20 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_
             cfg = {"kv_connector": connector, "kv_role": kv_role, "kv_buffer_device": "cpu",
                    "kv_connector_extra_config": extra_config or {}}
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv_port)
+        if engine_id is not None:  # fixed, so a router can be told it up front
+            cfg["engine_id"] = engine_id
         argv += ["--kv-transfer-config", json.dumps(cfg)]
     env.update(extra_env or {})
     return Server(name, argv, env, port, log_dir)
 
 
-def router(*, python: str, port: int, prefill: list[tuple[str, int]], decode: list[str],
+def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
            log_dir: Path, mode: str = "push", name: str = "router") -> Server:
     argv = [python, "-m", "kv_push.common.router", "--host", "127.0.0.1", "--port", str(port),
             "--mode", mode]
-    for url, kv_port in prefill:
-        argv += ["--prefill", f"{url},kv=127.0.0.1:{kv_port}"]
+    for url, kv_port, *engine in prefill:  # (url, kv port[, engine id])
+        spec = f"{url},kv=127.0.0.1:{kv_port}" + (f",engine_id={engine[0]}" if engine else "")
+        argv += ["--prefill", spec]
     for url in decode:
         argv += ["--decode", url]
     return Server(name, argv, {"PYTHONUNBUFFERED": "1"}, port, log_dir)
