@@ -25,17 +25,13 @@ This module also holds two pieces the benchmarks reuse:
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import multiprocessing as mp
 import os
 import queue
 import sys
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Sequence
 
 import numpy as np
@@ -188,57 +184,12 @@ class DemoPeerServer(PeerServer):
         return super().close()
 
 
-def _server_child(conn, spec_dict: dict, server: str) -> None:
-    logging.basicConfig(level=os.environ.get("KV_PUSH_LOG", "WARNING"),
-                        format="%(asctime)s %(processName)s %(name)s: %(message)s")
-    try:
-        module, _, name = server.partition(":")
-        cls = getattr(importlib.import_module(module), name)
-        srv = cls(PeerSpec(**spec_dict))
-        conn.send(("ok", None))
-    except BaseException:
-        conn.send(("err", traceback.format_exc()))
-        return
-    while True:
-        try:
-            cmd, args, kwargs = conn.recv()
-        except EOFError:
-            break
-        try:
-            conn.send(("ok", getattr(srv, cmd)(*args, **kwargs)))
-        except BaseException:
-            conn.send(("err", traceback.format_exc()))
-        if cmd == "close":  # worker closed: skip the slow NIXL/UCX interpreter finalisation
-            logging.shutdown()
-            conn.close()
-            os._exit(0)
-
-
 class ServerPeer(LocalPeer):
-    """A ``LocalPeer`` whose child runs ``server`` ("module:Class", a ``PeerServer`` subclass).
-
-    The module must be importable in a spawned child (the parent's ``sys.path`` is passed on).
-    """
+    """A ``LocalPeer`` whose child runs the ``PeerServer`` subclass named by ``server``."""
 
     def __init__(self, spec: PeerSpec, server: str = f"{__name__}:DemoPeerServer",
                  start_timeout: float = 120.0):
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        env_backup = {k: os.environ.get(k) for k in spec.env}
-        os.environ.update(spec.env)
-        try:
-            self.process = ctx.Process(target=_server_child,
-                                       args=(child_conn, asdict(spec), server),
-                                       name=f"kvpush-{spec.role}-r{spec.tp_rank}", daemon=True)
-            self.process.start()
-        finally:
-            for k, v in env_backup.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        self.spec = spec
-        self._recv(start_timeout)
+        super().__init__(spec, start_timeout, server=server)
 
 
 def start_pair(p_spec: PeerSpec, d_spec: PeerSpec, server: str = f"{__name__}:DemoPeerServer"

@@ -8,6 +8,7 @@ the child and returns its result (or raises ``PeerError`` with the child's trace
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -210,11 +211,15 @@ class PeerServer:
         return True
 
 
-def _child(conn, spec_dict: dict) -> None:
+def _child(conn, spec_dict: dict, server_cls: str | None = None) -> None:
     logging.basicConfig(level=os.environ.get("KV_PUSH_LOG", "WARNING"),
                         format="%(asctime)s %(processName)s %(name)s: %(message)s")
     try:
-        server = PeerServer(PeerSpec(**spec_dict))
+        cls = PeerServer
+        if server_cls:  # "module:Class", a PeerServer subclass with more commands
+            module, _, name = server_cls.partition(":")
+            cls = getattr(importlib.import_module(module), name)
+        server = cls(PeerSpec(**spec_dict))
         conn.send(("ok", None))
     except BaseException:
         conn.send(("err", traceback.format_exc()))
@@ -238,13 +243,15 @@ def _child(conn, spec_dict: dict) -> None:
 
 
 class LocalPeer:
-    def __init__(self, spec: PeerSpec, start_timeout: float = 60.0):
+    """``server``: optional "module:Class" of a ``PeerServer`` subclass to run in the child."""
+
+    def __init__(self, spec: PeerSpec, start_timeout: float = 60.0, server: str | None = None):
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         env_backup = {k: os.environ.get(k) for k in spec.env}
         os.environ.update(spec.env)
         try:
-            self.process = ctx.Process(target=_child, args=(child_conn, asdict(spec)),
+            self.process = ctx.Process(target=_child, args=(child_conn, asdict(spec), server),
                                        name=f"kvpush-{spec.role}-r{spec.tp_rank}", daemon=True)
             self.process.start()
         finally:

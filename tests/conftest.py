@@ -140,3 +140,18 @@ def assert_no_leaks(producers, consumers, baseline=None, timeout: float = 3.0) -
         if time.monotonic() > deadline:
             raise AssertionError(f"state left behind: {extra} (all: {state})")
         time.sleep(0.02)
+
+
+def counter(peer, name: str) -> float:
+    """A peer's counter (0 when never incremented)."""
+    return peer.call("counters").get(name, 0.0)
+
+
+def wait_counter(peer, name: str, at_least: float, timeout: float = 20.0) -> float:
+    """Poll a peer's counter until it reaches ``at_least`` or ``timeout``; returns its value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = counter(peer, name)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.005)

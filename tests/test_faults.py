@@ -38,9 +38,11 @@ from kv_push.common.messages import (
 from kv_push.common.synthetic_kv import fragmented_blocks
 
 try:
-    from conftest import assert_no_leaks, close_peers, free_port, live_state, start_peers
+    from conftest import (assert_no_leaks, close_peers, counter, free_port, live_state,
+                          start_peers, wait_counter)
 except ModuleNotFoundError:  # imported as a package module
-    from tests.conftest import assert_no_leaks, close_peers, free_port, live_state, start_peers
+    from tests.conftest import (assert_no_leaks, close_peers, counter, free_port, live_state,
+                                start_peers, wait_counter)
 
 pytestmark = pytest.mark.nixl
 
@@ -104,19 +106,6 @@ def no_leaks(fp):
     before = live_state(fp.alive(*producers), fp.alive(*consumers))
     yield
     assert_no_leaks(fp.alive(*producers), fp.alive(*consumers), baseline=before)
-
-
-def counter(peer, name: str) -> float:
-    return peer.call("counters").get(name, 0.0)
-
-
-def wait_counter(peer, name: str, at_least: float, timeout: float = 20.0) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = counter(peer, name)
-        if value >= at_least or time.monotonic() > deadline:
-            return value
-        time.sleep(0.005)
 
 
 def nblocks(tokens: int, block_size: int) -> int:
