@@ -142,12 +142,15 @@ class _PullHTTP(BaseHTTPRequestHandler):
         pass
 
 
-class BenchPeerServer(DemoPeerServer):
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.agent = AgentThread(f"bench-{spec.role}-{self.worker.engine_id[:8]}")
-        g = self.pool.geometry
-        self.agent.call(lambda: self.agent.transport.register(g.regions(), g.mem_type, g.dev_id))
+class PullPeer:
+    """vLLM-NixlConnector-style pull over a second NIXL agent, shared by the CPU and GPU
+    benchmark peers. The host class provides ``_pull_agent()`` (the ``AgentThread``),
+    ``_pull_geometry()`` (its own KV geometry), and calls ``_pull_init()`` in its constructor.
+    P side: ``pull_prefill_done`` relays the block ids to D over HTTP, ``pull_notif_at`` waits for
+    D's completion notice. D side: ``http_port``, ``pull_expect``, ``pull_result``."""
+
+    def _pull_init(self) -> None:
+        self._cond = getattr(self, "_cond", None) or threading.Condition()
         self.remote_peer: str | None = None
         self.remote_geo: KVGeometry | None = None
         self._http: HTTPServer | None = None
@@ -155,11 +158,148 @@ class BenchPeerServer(DemoPeerServer):
         self._pull_dst: dict[str, list[int]] = {}
         self._pull_res: dict[str, dict] = {}
         self._notif_at: dict[bytes, float] = {}
+        self._watching = False  # a pull is in flight (P waits for D's notice)
+        self._progress = False  # keep the agent polled (target of a bare transfer)
+        self._watch_on = False
+
+    def pull_agent_metadata(self) -> bytes:
+        a = self._pull_agent()
+        return a.call(a.transport.metadata)
+
+    def pull_add_peer(self, metadata: bytes, geometry: KVGeometry) -> str:
+        a = self._pull_agent()
+        self.remote_geo = geometry
+        self.remote_peer = a.call(lambda: a.transport.add_peer(metadata))
+        return self.remote_peer
+
+    def _ensure_watch(self) -> None:  # on the agent thread
+        """Poll notifications (P: pull completions), stamping them, while watched."""
+        if self._watch_on:
+            return
+        self._watch_on = True
+        t = self._pull_agent().transport
+
+        def poller() -> bool:
+            for _, msg in t.get_notifs():
+                with self._cond:
+                    self._notif_at[bytes(msg)] = time.monotonic()
+                    self._cond.notify_all()
+            if self._watching or self._progress:
+                return False
+            self._watch_on = False
+            return True
+
+        self._pull_agent().add_poller(poller)
+
+    # -- P side ----------------------------------------------------------------------------------
+    def pull_prefill_done(self, key: str, block_ids, num_tokens: int, d_port: int,
+                          poll_s: float = 0.001) -> float:
+        """Relay the block ids to D, then watch for D's notification, polling every ``poll_s``
+        (vLLM's producer checks once per engine step; 0 = spin)."""
+        ids = [int(b) for b in block_ids]
+        t0 = time.monotonic()
+        agent = self._pull_agent()
+        agent.poll_interval = poll_s
+        self._watching = True
+        agent.submit(self._ensure_watch)
+        if self._client is None:
+            self._client = http.client.HTTPConnection("127.0.0.1", d_port, timeout=60)
+            self._client.connect()
+            self._client.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = json.dumps({"key": key, "block_ids": ids, "num_tokens": num_tokens}).encode()
+        self._client.request("POST", "/pull", body, {"Content-Type": "application/json"})
+        resp = self._client.getresponse()
+        resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"relay answered {resp.status}")
+        return t0
+
+    def pull_notif_at(self, key: str, timeout: float) -> float | None:
+        deadline = time.monotonic() + timeout
+        k = key.encode()
+        with self._cond:
+            while k not in self._notif_at:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            t = self._notif_at.pop(k, None)
         self._watching = False
-        self._progress = False
+        return t
+
+    # -- D side ----------------------------------------------------------------------------------
+    def http_port(self) -> int:
+        if self._http is None:
+            self._http = HTTPServer(("127.0.0.1", 0), _PullHTTP)
+            self._http.owner = self  # type: ignore[attr-defined]
+            threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
+                             name="pull-relay", daemon=True).start()
+        return self._http.server_address[1]
+
+    def pull_expect(self, key: str, block_ids) -> None:
+        self._pull_dst[key] = [int(b) for b in block_ids]
+
+    def _on_pull_request(self, req: dict, t_http: float) -> None:  # HTTP thread
+        self._pull_agent().submit(lambda: self._pull_start(req, t_http))
+
+    def _pull_start(self, req: dict, t_http: float) -> None:  # agent thread
+        key = req["key"]
+        t_start = time.monotonic()
+        agent = self._pull_agent()
+        t = agent.transport
+        g, rg = self._pull_geometry(), self.remote_geo
+        remote = block_descs(rg, req["block_ids"], req["num_tokens"])
+        local = block_descs(g, self._pull_dst.pop(key), req["num_tokens"])
+        t_desc = time.monotonic()
+        handle = t.read(self.remote_peer, local, remote, g.mem_type, rg.mem_type, key.encode())
+        t_post = time.monotonic()
+        res = {"http": t_http, "start": t_start, "desc": t_desc, "post": t_post,
+               "descs": int(local.shape[0])}
+
+        def poller() -> bool:
+            state = t.poll(handle)
+            if state == "PROC":
+                return False
+            res["done"] = time.monotonic()
+            res["state"] = state
+            if state == "ERR":
+                res["reason"] = t.failure_reason(handle)
+            t.release(handle)
+            with self._cond:
+                self._pull_res[key] = res
+                self._cond.notify_all()
+            return True
+
+        if not poller():
+            agent.add_poller(poller)
+
+    def pull_result(self, key: str, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._pull_res:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._pull_res.pop(key)
+
+
+class BenchPeerServer(PullPeer, DemoPeerServer):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.agent = AgentThread(f"bench-{spec.role}-{self.worker.engine_id[:8]}")
+        g = self.pool.geometry
+        self.agent.call(lambda: self.agent.transport.register(g.regions(), g.mem_type, g.dev_id))
+        self._pull_init()
         self._bare: dict[str, Any] = {}
         self.events: list[tuple] = []
         self._instrument()
+
+    def _pull_agent(self) -> AgentThread:
+        return self.agent
+
+    def _pull_geometry(self) -> KVGeometry:
+        return self.pool.geometry
 
     # -- push instrumentation --------------------------------------------------------------------
     def _instrument(self) -> None:
@@ -250,35 +390,7 @@ class BenchPeerServer(DemoPeerServer):
         out["polls"] = polls
         return out
 
-    # -- the second agent ----------------------------------------------------------------------
-    def pull_agent_metadata(self) -> bytes:
-        return self.agent.call(self.agent.transport.metadata)
-
-    def pull_add_peer(self, metadata: bytes, geometry: KVGeometry) -> str:
-        self.remote_geo = geometry
-        self.remote_peer = self.agent.call(lambda: self.agent.transport.add_peer(metadata))
-        return self.remote_peer
-
-    def _watch_notifs(self) -> bool:
-        """Poller: pick up notifications (P: pull completions), stamp them."""
-        for _, msg in self.agent.transport.get_notifs():
-            with self._cond:
-                self._notif_at[bytes(msg)] = time.monotonic()
-                self._cond.notify_all()
-        return not (self._watching or self._progress)
-
-    def _ensure_watch(self) -> None:  # on the agent thread
-        if not getattr(self, "_watch_on", False):
-            self._watch_on = True
-
-            def poller():
-                done = self._watch_notifs()
-                if done:
-                    self._watch_on = False
-                return done
-
-            self.agent.add_poller(poller)
-
+    # -- the second agent (pull methods come from PullPeer) ------------------------------
     def progress(self, on: bool) -> None:
         """Keep this agent polled (the target side of a bare transfer), as the push path does."""
         self._progress = on
@@ -294,93 +406,6 @@ class BenchPeerServer(DemoPeerServer):
             cons.__dict__.pop("busy", None)
         else:
             cons.busy = lambda: any(w.state == "fencing" for w in cons.wants.values())
-
-    # -- pull: P side --------------------------------------------------------------------------
-    def pull_prefill_done(self, key: str, block_ids, num_tokens: int, d_port: int,
-                          poll_s: float = 0.001) -> float:
-        """P's side of pull: relay the block ids to D, then watch for D's notification, polling
-        every ``poll_s`` (vLLM's producer checks once per engine step; 0 = spin)."""
-        ids = [int(b) for b in block_ids]
-        t0 = time.monotonic()
-        self.agent.poll_interval = poll_s
-        self._watching = True
-        self.agent.submit(self._ensure_watch)
-        if self._client is None:
-            self._client = http.client.HTTPConnection("127.0.0.1", d_port, timeout=30)
-            self._client.connect()
-            self._client.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        body = json.dumps({"key": key, "block_ids": ids, "num_tokens": num_tokens}).encode()
-        self._client.request("POST", "/pull", body, {"Content-Type": "application/json"})
-        resp = self._client.getresponse()
-        resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"relay answered {resp.status}")
-        return t0
-
-    def pull_notif_at(self, key: str, timeout: float) -> float | None:
-        deadline = time.monotonic() + timeout
-        k = key.encode()
-        with self._cond:
-            while k not in self._notif_at:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            t = self._notif_at.pop(k, None)
-        self._watching = False
-        return t
-
-    # -- pull: D side --------------------------------------------------------------------------
-    def http_port(self) -> int:
-        if self._http is None:
-            self._http = HTTPServer(("127.0.0.1", 0), _PullHTTP)
-            self._http.owner = self  # type: ignore[attr-defined]
-            threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
-                             name="pull-relay", daemon=True).start()
-        return self._http.server_address[1]
-
-    def pull_expect(self, key: str, block_ids) -> None:
-        self._pull_dst[key] = [int(b) for b in block_ids]
-
-    def _on_pull_request(self, req: dict, t_http: float) -> None:  # HTTP thread
-        self.agent.submit(lambda: self._pull_start(req, t_http))
-
-    def _pull_start(self, req: dict, t_http: float) -> None:  # agent thread
-        key = req["key"]
-        t_start = time.monotonic()
-        t = self.agent.transport
-        remote = block_descs(self.remote_geo, req["block_ids"], req["num_tokens"])
-        local = block_descs(self.pool.geometry, self._pull_dst.pop(key), req["num_tokens"])
-        t_desc = time.monotonic()
-        handle = t.read(self.remote_peer, local, remote, "DRAM", "DRAM", key.encode())
-        t_post = time.monotonic()
-        res = {"http": t_http, "start": t_start, "desc": t_desc, "post": t_post,
-               "descs": int(local.shape[0])}
-
-        def poller() -> bool:
-            state = t.poll(handle)
-            if state == "PROC":
-                return False
-            res["done"] = time.monotonic()
-            res["state"] = state
-            t.release(handle)
-            with self._cond:
-                self._pull_res[key] = res
-                self._cond.notify_all()
-            return True
-
-        if not poller():
-            self.agent.add_poller(poller)
-
-    def pull_result(self, key: str, timeout: float) -> dict | None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while key not in self._pull_res:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            return self._pull_res.pop(key)
 
     # -- bare transfers --------------------------------------------------------------------------
     def _runner(self, via: str):

@@ -52,7 +52,6 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # spawned children import this module (and bench_peer)
 
+from bench_peer import AgentThread, PullPeer  # noqa: E402
 from kv_push.common.demo import start_pair  # noqa: E402
 from kv_push.common.layout import plan_writes  # noqa: E402
 from kv_push.common.local_peer import PeerError, PeerSpec  # noqa: E402
@@ -133,7 +133,7 @@ def _as_i16(value: int) -> int:
 
 # -- the peer (runs in a spawned child) ----------------------------------------------------------
 
-class GpuPeerServer:
+class GpuPeerServer(PullPeer):
     """A ``PushWorker`` over per-layer torch KV tensors, plus a pull/bare NIXL agent.
 
     Constructed by ``kv_push.common.demo``'s child loop from a ``PeerSpec`` (placement
@@ -205,15 +205,7 @@ class GpuPeerServer:
             threading.Thread(target=self._collect, name="outcome-collector", daemon=True).start()
         # the pull / bare agent (created lazily: the correctness test does not need it)
         self.agent = None
-        self.remote_peer: str | None = None
-        self.remote_geo = None
-        self._http: HTTPServer | None = None
-        self._client = None
-        self._pull_dst: dict[str, list[int]] = {}
-        self._pull_res: dict[str, dict] = {}
-        self._notif_at: dict[bytes, float] = {}
-        self._watch = False
-        self._watch_on = False
+        self._pull_init()
         self._bare: dict[str, Any] = {}
 
     # -- memory views --------------------------------------------------------------------------
@@ -407,136 +399,23 @@ class GpuPeerServer:
     # -- the second agent: pull and bare transfers ---------------------------------------------------
     def _agent(self):
         if self.agent is None:
-            from bench_peer import AgentThread  # noqa: PLC0415 - benchmarks/ is on sys.path
             g = self.geometry
             self.agent = AgentThread(f"gpubench-{self.spec.role}-{self.worker.engine_id[:8]}")
             self.agent.call(lambda: self.agent.transport.register(g.regions(), g.mem_type,
                                                                   g.dev_id))
         return self.agent
 
-    def pull_agent_metadata(self) -> bytes:
-        a = self._agent()
-        return a.call(a.transport.metadata)
+    def _pull_agent(self):
+        return self._agent()
 
-    def pull_add_peer(self, metadata: bytes, geometry) -> str:
-        a = self._agent()
-        self.remote_geo = geometry
-        self.remote_peer = a.call(lambda: a.transport.add_peer(metadata))
-        return self.remote_peer
-
-    def _ensure_watch(self) -> None:  # on the agent thread
-        if self._watch_on:
-            return
-        self._watch_on = True
-        t = self.agent.transport
-
-        def poller() -> bool:
-            for _, msg in t.get_notifs():
-                with self._cond:
-                    self._notif_at[bytes(msg)] = time.monotonic()
-                    self._cond.notify_all()
-            if not self._watch:
-                self._watch_on = False
-                return True
-            return False
-
-        self.agent.add_poller(poller)
+    def _pull_geometry(self):
+        return self.geometry
 
     def progress(self, on: bool) -> None:
         """Keep the agent polled (the target of a bare transfer; P while a pull is in flight)."""
-        self._watch = on
+        self._progress = on
         if on:
             self.agent.call(self._ensure_watch)
-
-    # P side of pull
-    def pull_prefill_done(self, key: str, block_ids, num_tokens: int, d_port: int) -> float:
-        import http.client
-        import socket
-        ids = [int(b) for b in block_ids]
-        t0 = time.monotonic()
-        self._watch = True
-        self.agent.submit(self._ensure_watch)
-        if self._client is None:
-            self._client = http.client.HTTPConnection("127.0.0.1", d_port, timeout=60)
-            self._client.connect()
-            self._client.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        body = json.dumps({"key": key, "block_ids": ids, "num_tokens": num_tokens}).encode()
-        self._client.request("POST", "/pull", body, {"Content-Type": "application/json"})
-        resp = self._client.getresponse()
-        resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"relay answered {resp.status}")
-        return t0
-
-    def pull_notif_at(self, key: str, timeout: float) -> float | None:
-        deadline = time.monotonic() + timeout
-        k = key.encode()
-        with self._cond:
-            while k not in self._notif_at:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            t = self._notif_at.pop(k, None)
-        self._watch = False
-        return t
-
-    # D side of pull
-    def http_port(self) -> int:
-        if self._http is None:
-            from bench_peer import _PullHTTP  # noqa: PLC0415
-            self._http = HTTPServer(("127.0.0.1", 0), _PullHTTP)
-            self._http.owner = self  # type: ignore[attr-defined]
-            threading.Thread(target=self._http.serve_forever, kwargs={"poll_interval": 0.2},
-                             name="pull-relay", daemon=True).start()
-        return self._http.server_address[1]
-
-    def pull_expect(self, key: str, block_ids) -> None:
-        self._pull_dst[key] = [int(b) for b in block_ids]
-
-    def _on_pull_request(self, req: dict, t_http: float) -> None:  # HTTP thread
-        self.agent.submit(lambda: self._pull_start(req, t_http))
-
-    def _pull_start(self, req: dict, t_http: float) -> None:  # agent thread
-        from bench_peer import block_descs  # noqa: PLC0415
-        key = req["key"]
-        t_start = time.monotonic()
-        t = self.agent.transport
-        g, rg = self.geometry, self.remote_geo
-        remote = block_descs(rg, req["block_ids"], req["num_tokens"])
-        local = block_descs(g, self._pull_dst.pop(key), req["num_tokens"])
-        t_desc = time.monotonic()
-        handle = t.read(self.remote_peer, local, remote, g.mem_type, rg.mem_type, key.encode())
-        t_post = time.monotonic()
-        res = {"http": t_http, "start": t_start, "desc": t_desc, "post": t_post,
-               "descs": int(local.shape[0])}
-
-        def poller() -> bool:
-            state = t.poll(handle)
-            if state == "PROC":
-                return False
-            res["done"] = time.monotonic()
-            res["state"] = state
-            if state == "ERR":
-                res["reason"] = t.failure_reason(handle)
-            t.release(handle)
-            with self._cond:
-                self._pull_res[key] = res
-                self._cond.notify_all()
-            return True
-
-        if not poller():
-            self.agent.add_poller(poller)
-
-    def pull_result(self, key: str, timeout: float) -> dict | None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while key not in self._pull_res:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            return self._pull_res.pop(key)
 
     # bare WRITE (P side): the push plan's regions, request built in advance
     def bare_prepare(self, src_blocks, dst_blocks, num_tokens: int) -> dict:
@@ -673,7 +552,7 @@ class Pair:
         self.seq += 1
         key = f"pull-{self.seq}"
         self.D.call("pull_expect", key, dblocks)
-        t0 = self.P.call("pull_prefill_done", key, pblocks, tokens, self.port)
+        t0 = self.P.call("pull_prefill_done", key, pblocks, tokens, self.port, 0.0)  # spin, as measured
         res = self.D.call("pull_result", key, 60.0, timeout=90)
         tn = self.P.call("pull_notif_at", key, 60.0)
         if res is None or res.get("state") != "DONE" or tn is None:
