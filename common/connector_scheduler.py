@@ -190,8 +190,15 @@ class PushScheduler:
     def request_finished(self, request, block_ids: list[int], finished_ok: bool
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        was_received = rid in self._received
         self._received.discard(rid)
         w = self._waiting.pop(rid, None)
+        if w is None and self.is_consumer and not was_received:
+            # a decoder request that ends before the scheduler ever looked at it (aborted while
+            # queued): the producer may hold its prefill for it, so still tell it to let go
+            params = self._params(request)
+            if params is not None and params.do_remote_prefill:
+                w = _Waiting(params)
         if w is not None:
             # a decoder request that ends before its KV arrived
             if w.staged:

@@ -109,6 +109,22 @@ def test_decoder_abort_while_waiting_cancels_and_abort_before_alloc_releases_p()
     assert e.key == RELEASE_KEY_PREFIX + "r2" and e.num_tokens == 0
 
 
+def test_decoder_abort_before_it_was_ever_scheduled_still_releases_p():
+    s = decoder()
+    r = req("r3", dict(D_PARAMS, transfer_id="t3"))
+    s.request_finished(r, [], finished_ok=False)  # aborted while queued: never matched
+    (e,) = s.take_plan().expects
+    assert e.key == RELEASE_KEY_PREFIX + "r3" and e.transfer_id == "t3" and e.block_ids == ()
+    # but a request whose KV already arrived tells nobody anything when it finishes
+    r4 = req("r4", dict(D_PARAMS, transfer_id="t4"))
+    s.get_num_new_matched_tokens(r4, 0)
+    s.update_state_after_alloc(r4, list(range(7)), 100)
+    s.take_plan()
+    s.on_recv_finished(["r4"])
+    s.request_finished(r4, list(range(7)), finished_ok=True)
+    assert not s.take_plan()
+
+
 def test_decoder_rejects_a_block_list_too_short_for_the_tokens():
     s = decoder()
     r = req("r1", dict(D_PARAMS), prompt_len=100)

@@ -22,6 +22,7 @@ from vllm_servers import REPO, build_tiny_model, free_port, metric, router, vllm
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 8
+RENDEZVOUS_TTL_S = 15
 NUM_PROMPTS = 20
 
 
@@ -97,8 +98,11 @@ def stack(request, tiny_model, prompts, tmp_path_factory):
         single.stop()
     # 2. P and D with the push connector, behind our router
     kv_port = free_port()
+    # a short rendezvous time-out: a prefill whose decoder leg was cancelled before the decode
+    # server ever saw it is freed by expiry (the abort test waits for that)
     p = vllm_server("prefill", python=python, model=str(tiny_model), port=free_port(), cpu=0,
-                    log_dir=logs, kv_role="kv_producer", kv_port=kv_port)
+                    log_dir=logs, kv_role="kv_producer", kv_port=kv_port,
+                    extra_config={"rendezvous_ttl_s": RENDEZVOUS_TTL_S})
     # D loads the connector by name alone (the plugin entry point), P by module path
     d = vllm_server("decode", python=python, model=str(tiny_model), port=free_port(), cpu=1,
                     log_dir=logs, kv_role="kv_consumer", kv_port=free_port(), by_name=True)
@@ -217,8 +221,9 @@ def test_client_disconnect_leaves_no_work_behind(stack, prompts):
             break
         time.sleep(0.5)
     assert busy == 0, "requests still in flight after every client hung up"
-    # no leaked blocks: P holds none for pushes, D none fenced (prefix-cached blocks are free)
-    deadline = time.monotonic() + 30
+    # no leaked blocks: P holds none for pushes, D none fenced (prefix-cached blocks are free);
+    # a prefill whose decode leg never reached the decode server is freed by expiry
+    deadline = time.monotonic() + RENDEZVOUS_TTL_S + 30
     while time.monotonic() < deadline:
         usage = [metric(s.url, "vllm:kv_cache_usage_perc") for s in (p, d)]
         if usage == [0.0, 0.0]:
