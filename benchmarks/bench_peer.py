@@ -355,8 +355,8 @@ class BenchPeerServer(PullPeer, DemoPeerServer):
             agent.transfer = transfer
             agent.check_xfer_state = check_xfer_state
 
-        if self.worker.consumer is not None:
-            cons = self.worker.consumer
+        if self.worker.decoder is not None:
+            cons = self.worker.decoder
             orig_msg = cons.on_message
 
             def on_message(peer, msg):
@@ -398,10 +398,10 @@ class BenchPeerServer(PullPeer, DemoPeerServer):
             self.agent.poll_interval = 0.0  # spin: the best case for the bare transfers
             self.agent.call(self._ensure_watch)
 
-    def consumer_spin(self, on: bool) -> None:
+    def decoder_spin(self, on: bool) -> None:
         """Experiment: with ``on=False`` the decoder's transfer thread no longer spins while it
         only waits for ``WriteDone`` (it polls every ``idle_poll_s`` instead)."""
-        cons = self.worker.consumer
+        cons = self.worker.decoder
         if on:
             cons.__dict__.pop("busy", None)
         else:

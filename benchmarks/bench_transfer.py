@@ -8,7 +8,7 @@ a busy server's are, it measures in one run, interleaved (the order rotates ever
 * push  -- D registered earlier and P holds the registration; from P's ``prefill_done`` call to
            D's ``received`` outcome, through the real ``PushWorker`` path;
 * push* -- the same with D's transfer thread polling instead of spinning while it only waits
-           for WriteDone (patched in the child; common/consumer.py does this since 2d263a4);
+           for WriteDone (patched in the child; common/decoder.py does this since 2d263a4);
 * pull  -- what vLLM's NixlConnector does: P's block ids reach D by one localhost HTTP request,
            D builds one descriptor per (layer, K/V, block) on each side, posts a NIXL READ that
            carries a notification to P and polls it to completion, P polls for the notification
@@ -94,7 +94,7 @@ class Pair:
         self.P, self.D = start_pair(
             PeerSpec(role="producer", engine_id="bench-prefill",
                      config={"side_channel_port": 0, **hb}, **common),
-            PeerSpec(role="consumer", engine_id="bench-decode", config=hb, **common),
+            PeerSpec(role="decoder", engine_id="bench-decode", config=hb, **common),
             server=SERVER)
         self.address = self.P.call("address")
         self.pgeo, self.dgeo = self.P.call("geometry"), self.D.call("geometry")
@@ -143,11 +143,11 @@ class Pair:
     def push_dpoll(self, pblocks, dblocks, tokens) -> dict:
         """Push with the proposed decoder change: D's transfer thread does not spin while it
         only waits for ``WriteDone`` (polls every idle_poll_s); patched in the child."""
-        self.D.call("consumer_spin", False)
+        self.D.call("decoder_spin", False)
         try:
             return self.push(pblocks, dblocks, tokens)
         finally:
-            self.D.call("consumer_spin", True)
+            self.D.call("decoder_spin", True)
 
     def pull(self, pblocks, dblocks, tokens) -> dict:
         self.seq += 1
@@ -256,7 +256,7 @@ def handoff(args) -> dict:
                 env={"KV_PUSH_LOG": "ERROR"})  # thousands of expired hand-offs: not news
     cfg = {"heartbeat_interval_s": 60.0, "rendezvous_ttl_s": 2.0, "transfer_timeout_s": 5.0}
     P, D = start_pair(PeerSpec(role="producer", config={"side_channel_port": 0, **cfg}, **spec),
-                      PeerSpec(role="consumer", config=cfg, **spec), server=SERVER)
+                      PeerSpec(role="decoder", config=cfg, **spec), server=SERVER)
     try:
         address = P.call("address")
         out = {}
@@ -442,7 +442,7 @@ def markdown(r: dict) -> str:
              "-> D's outcome `received`).")
     L.append("- **push\\***: the same with the decoder polling every idle_poll_s instead of "
              "spinning while it only waits for WriteDone, patched into the benchmark's child "
-             "(common/consumer.py does this itself since commit 2d263a4: from then on push and "
+             "(common/decoder.py does this itself since commit 2d263a4: from then on push and "
              "push\\* run the same code).")
     L.append("- **pull**: vLLM NixlConnector-style: P's block ids -> D by one localhost HTTP "
              "request, D builds per-block descriptors, NIXL READ carrying a notification to P "

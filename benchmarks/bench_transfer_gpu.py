@@ -201,7 +201,7 @@ class GpuPeerServer(PullPeer):
         self._stamped: dict[str, tuple[str, str, float]] = {}
         self._released: list[str] = []
         self._stop = threading.Event()
-        if self.worker.consumer is not None:
+        if self.worker.decoder is not None:
             threading.Thread(target=self._collect, name="outcome-collector", daemon=True).start()
         # the pull / bare agent (created lazily: the correctness test does not need it)
         self.agent = None
@@ -335,7 +335,7 @@ class GpuPeerServer(PullPeer):
     # -- push (the production path) ----------------------------------------------------------------
     def _collect(self) -> None:
         import queue
-        q = self.worker.consumer.outcomes
+        q = self.worker.decoder.outcomes
         while not self._stop.is_set():
             try:
                 o = q.get(timeout=0.2)
@@ -513,7 +513,7 @@ class Pair:
         self.P, self.D = start_gpu_pair(
             PeerSpec(role="producer", engine_id="gpubench-prefill",
                      config={"side_channel_port": 0, **hb}, **common),
-            PeerSpec(role="consumer", engine_id="gpubench-decode", config=hb, **common),
+            PeerSpec(role="decoder", engine_id="gpubench-decode", config=hb, **common),
             args.device)
         self.address = self.P.call("address")
         self.pgeo, self.dgeo = self.P.call("geometry_"), self.D.call("geometry_")

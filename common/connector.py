@@ -47,7 +47,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         ktc = vllm_config.kv_transfer_config
         # parsed once, here: a bad key or value stops the server at start-up
         self.push_config = PushConfig.from_sources(ktc.kv_connector_extra_config or {})
-        self.kv_role = {"kv_producer": "producer", "kv_consumer": "consumer",
+        self.kv_role = {"kv_producer": "producer", "kv_consumer": "decoder",
                         "kv_both": "both"}.get(ktc.kv_role)
         if self.kv_role is None:
             raise ValueError(f"KVPushConnector needs kv_role kv_producer, kv_consumer or "
@@ -57,7 +57,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
-                                            is_consumer=self.kv_role in ("consumer", "both"),
+                                            is_decoder=self.kv_role in ("decoder", "both"),
                                             block_size=block_size)
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415

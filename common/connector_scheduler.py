@@ -117,10 +117,10 @@ class _Waiting:
 class PushScheduler:
     """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM."""
 
-    def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int,
+    def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
                  counters=None):
         self.is_producer = is_producer
-        self.is_consumer = is_consumer
+        self.is_decoder = is_decoder
         self.block_size = block_size
         self.counters = counters
         self._plan = StepPlan()
@@ -141,7 +141,7 @@ class PushScheduler:
 
     # -- decoder ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.is_consumer:
+        if not self.is_decoder:
             return 0, False
         params = self._params(request)
         if params is None or not params.do_remote_prefill or request.request_id in self._received:
@@ -193,7 +193,7 @@ class PushScheduler:
         was_received = rid in self._received
         self._received.discard(rid)
         w = self._waiting.pop(rid, None)
-        if w is None and self.is_consumer and not was_received:
+        if w is None and self.is_decoder and not was_received:
             # a decoder request that ends before the scheduler ever looked at it (aborted while
             # queued): the producer may hold its prefill for it, so still tell it to let go
             params = self._params(request)

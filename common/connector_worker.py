@@ -88,7 +88,7 @@ class PushConnectorWorker:
         sending = set(w.drain_released()) if w.producer else set()
         recving: set[str] = set()
         failed: set[str] = set()
-        if w.consumer:
+        if w.decoder:
             for o in w.drain_outcomes():
                 if o.key.startswith(RELEASE_KEY_PREFIX):
                     continue

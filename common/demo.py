@@ -109,14 +109,14 @@ class DemoPeerServer(PeerServer):
         self._stamped: dict[str, tuple[str, str, float]] = {}
         self._stop = threading.Event()
         self._collector = None
-        if self.worker.consumer is not None:
+        if self.worker.decoder is not None:
             self._collector = threading.Thread(target=self._collect, name="outcome-collector",
                                                daemon=True)
             self._collector.start()
 
     def _collect(self) -> None:
         """Take outcomes the moment the transfer thread emits them, and stamp them."""
-        q = self.worker.consumer.outcomes
+        q = self.worker.decoder.outcomes
         while not self._stop.is_set():
             try:
                 o = q.get(timeout=0.2)
@@ -266,7 +266,7 @@ def _spec(args, side: str) -> PeerSpec:
     head_size = args.head_size * (2 if placement == "combined" else 1)
     blocks = int(-(-args.max_tokens // bs) * args.pool_factor) + 1
     return PeerSpec(
-        role="producer" if side == "p" else "consumer", placement=placement,
+        role="producer" if side == "p" else "decoder", placement=placement,
         num_layers=args.layers, num_kv_heads=args.kv_heads, head_size=head_size,
         dtype_bytes=args.dtype_bytes, block_size=bs, num_blocks=blocks,
         token_order=args.p_order if side == "p" else args.d_order,

@@ -22,7 +22,7 @@ import numpy as np
 
 @dataclass
 class PeerSpec:
-    role: str  # producer | consumer | both
+    role: str  # producer | decoder | both
     placement: str = "kv_split"
     num_layers: int = 4
     num_kv_heads: int = 4

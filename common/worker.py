@@ -18,7 +18,7 @@ from typing import Callable
 
 from .backend import BackendError, HostBackend, KVBackend
 from .config import PushConfig
-from .consumer import Consumer, Outcome
+from .decoder import Decoder, Outcome
 from .geometry import KVGeometry
 from .metrics import Counters
 from .producer import Producer
@@ -41,8 +41,8 @@ class PushWorker:
         transport_factory: Callable[[], Transport] | None = None,
         counters: Counters | None = None,
     ):
-        if role not in ("producer", "consumer", "both"):
-            raise ValueError(f"role must be producer, consumer or both, got {role!r}")
+        if role not in ("producer", "decoder", "both"):
+            raise ValueError(f"role must be producer, decoder or both, got {role!r}")
         geometry.validate()
         self.config = config or PushConfig()
         self.backend = backend or HostBackend()
@@ -64,7 +64,7 @@ class PushWorker:
                                      config=self.config, counters=self.counters)
         self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.producer: Producer | None = None
-        self.consumer: Consumer | None = None
+        self.decoder: Decoder | None = None
         self.side_channel: SideChannelServer | None = None
         if role in ("producer", "both"):
             base = self.config.side_channel_port
@@ -84,9 +84,9 @@ class PushWorker:
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)
-        if role in ("consumer", "both"):
-            self.consumer = Consumer(self.thread)
-            self.thread.add_role(self.consumer)
+        if role in ("decoder", "both"):
+            self.decoder = Decoder(self.thread)
+            self.thread.add_role(self.decoder)
         self._started = False
 
     def _nixl_backends(self) -> tuple[str, ...]:
@@ -131,25 +131,25 @@ class PushWorker:
     # -- decoder ---------------------------------------------------------------------------------
     def expect(self, key: str, transfer_id: str, attempt: int, address: tuple[str, int],
                block_ids, first_token: int, num_tokens: int) -> None:
-        consumer = self._need(self.consumer, "expect")
+        decoder = self._need(self.decoder, "expect")
         ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
-        self.thread.submit(lambda: consumer.expect(key, transfer_id, attempt, address,
+        self.thread.submit(lambda: decoder.expect(key, transfer_id, attempt, address,
                                                    tuple(map(int, ids)), first_token, num_tokens))
 
     def cancel(self, key: str, reason: str = "aborted") -> None:
-        consumer = self._need(self.consumer, "cancel")
-        self.thread.submit(lambda: consumer.cancel(key, reason))
+        decoder = self._need(self.decoder, "cancel")
+        self.thread.submit(lambda: decoder.cancel(key, reason))
 
     def drain_outcomes(self) -> list[Outcome]:
-        consumer = self._need(self.consumer, "drain_outcomes")
-        return _drain(consumer.outcomes)
+        decoder = self._need(self.decoder, "drain_outcomes")
+        return _drain(decoder.outcomes)
 
     # -- both --------------------------------------------------------------------------------------
     def live(self, timeout: float = 5.0) -> dict[str, int]:
         """Live state counts (sources, jobs, wants, peers...), read on the transfer thread."""
         def read() -> dict[str, int]:
             out = {"peers": len(self.thread.peers)}
-            for role in (self.producer, self.consumer):
+            for role in (self.producer, self.decoder):
                 if role is not None:
                     out.update(role.live())
             return out

@@ -114,24 +114,24 @@ def close_peers(*peers) -> None:
         list(pool.map(lambda p: p.close(), live))
 
 
-def live_state(producers, consumers) -> dict[str, dict[str, int]]:
+def live_state(producers, decoders) -> dict[str, dict[str, int]]:
     """Per peer (by process name and pid), what it still holds."""
     state = {}
     for p in producers:
         state[f"{p.process.name}[{p.process.pid}]"] = {
             k: v for k, v in p.call("live").items() if k != "peers"}
-    for d in consumers:
+    for d in decoders:
         state[f"{d.process.name}[{d.process.pid}]"] = {"wants": d.call("live")["wants"]}
     return state
 
 
-def assert_no_leaks(producers, consumers, baseline=None, timeout: float = 3.0) -> None:
+def assert_no_leaks(producers, decoders, baseline=None, timeout: float = 3.0) -> None:
     """Nothing left: no sources/jobs/rendezvous/transfers on producers, no wants on decoders
     (beyond ``baseline``, a ``live_state`` taken before, so one failure is reported once)."""
     baseline = baseline or {}
     deadline = time.monotonic() + timeout
     while True:
-        state = live_state(producers, consumers)
+        state = live_state(producers, decoders)
         extra = {peer: {k: v for k, v in held.items() if v > baseline.get(peer, {}).get(k, 0)}
                  for peer, held in state.items()}
         extra = {peer: held for peer, held in extra.items() if held}

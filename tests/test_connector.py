@@ -28,11 +28,11 @@ P_PARAMS = {"transfer_id": "t1", "do_remote_decode": True}
 
 
 def decoder():
-    return PushScheduler(is_producer=False, is_consumer=True, block_size=BS)
+    return PushScheduler(is_producer=False, is_decoder=True, block_size=BS)
 
 
 def producer():
-    return PushScheduler(is_producer=True, is_consumer=False, block_size=BS)
+    return PushScheduler(is_producer=True, is_decoder=False, block_size=BS)
 
 
 @pytest.mark.parametrize("raw, error", [
@@ -62,7 +62,7 @@ def test_malformed_params_serve_locally_and_are_counted():
     from kv_push.common.metrics import Counters
 
     counters = Counters()
-    s = PushScheduler(is_producer=False, is_consumer=True, block_size=BS, counters=counters)
+    s = PushScheduler(is_producer=False, is_decoder=True, block_size=BS, counters=counters)
     assert s.get_num_new_matched_tokens(req("r", {"transfer_id": ""}), 0) == (0, False)
     assert counters.get("rejected", label="bad_transfer_params") == 1
 

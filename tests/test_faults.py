@@ -66,7 +66,7 @@ def _p(**config):
 def _d(**config):
     # blocks_first HND 8-token blocks against the producers' kv_split NHD 16: WRITEs of many
     # small regions, so they stay in flight a little while
-    return PeerSpec(role="consumer", placement="blocks_first", token_order="HND", block_size=8,
+    return PeerSpec(role="decoder", placement="blocks_first", token_order="HND", block_size=8,
                     num_blocks=512, config={**COMMON, **config})
 
 
@@ -102,10 +102,10 @@ def fp():
 
 @pytest.fixture(autouse=True)
 def no_leaks(fp):
-    producers, consumers = ("P", "Pv", "Ps"), ("D", "Dv", "Df", "R", "Ds")
-    before = live_state(fp.alive(*producers), fp.alive(*consumers))
+    producers, decoders = ("P", "Pv", "Ps"), ("D", "Dv", "Df", "R", "Ds")
+    before = live_state(fp.alive(*producers), fp.alive(*decoders))
     yield
-    assert_no_leaks(fp.alive(*producers), fp.alive(*consumers), baseline=before)
+    assert_no_leaks(fp.alive(*producers), fp.alive(*decoders), baseline=before)
 
 
 def nblocks(tokens: int, block_size: int) -> int:

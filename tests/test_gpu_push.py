@@ -87,9 +87,9 @@ def peers(request):
     specs = {
         "P": _spec("producer", "kv_split", "NHD", 16, P_BLOCKS, engine_id="prefill-gpu-test",
                    config={"side_channel_port": 0}),
-        "D_nhd": _spec("consumer", "blocks_first", "NHD", 32, D_BLOCKS,
+        "D_nhd": _spec("decoder", "blocks_first", "NHD", 32, D_BLOCKS,
                        engine_id="nhd-decode-gpu-test"),
-        "D_hnd": _spec("consumer", "blocks_first", "HND", 32, D_BLOCKS,
+        "D_hnd": _spec("decoder", "blocks_first", "HND", 32, D_BLOCKS,
                        engine_id="hnd-decode-gpu-test"),
     }
     with ThreadPoolExecutor(len(specs)) as ex:

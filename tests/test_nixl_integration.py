@@ -47,8 +47,8 @@ def _producer(placement, order, block_size, **kw):
                     block_size=block_size, num_kv_heads=HEADS, **kw)
 
 
-def _consumer(placement, order, block_size, **kw):
-    return PeerSpec(role="consumer", placement=placement, token_order=order,
+def _decoder(placement, order, block_size, **kw):
+    return PeerSpec(role="decoder", placement=placement, token_order=order,
                     block_size=block_size, num_kv_heads=HEADS, **kw)
 
 
@@ -61,18 +61,18 @@ class Peers:
             "P16": _producer("kv_split", "NHD", 16),
             "P8": _producer("blocks_first", "HND", 8),
             "Pc": _producer("combined", "NHD", 16),
-            "D8": _consumer("blocks_first", "HND", 8, num_blocks=512),
-            "D24": _consumer("kv_split", "NHD", 24),
-            "Dc": _consumer("combined", "HND", 8),
+            "D8": _decoder("blocks_first", "HND", 8, num_blocks=512),
+            "D24": _decoder("kv_split", "NHD", 24),
+            "Dc": _decoder("combined", "HND", 8),
             # producer TP 2: one engine, rank r listens on base + r
             "PT0": _producer("kv_split", "NHD", 16, tp_size=2, tp_rank=0, engine_id="ptp2-engine",
                              config={"side_channel_port": base}),
             "PT1": _producer("kv_split", "NHD", 16, tp_size=2, tp_rank=1, engine_id="ptp2-engine",
                              config={"side_channel_port": base}),
             # decoder TP 2: one engine, two ranks
-            "DT0": _consumer("blocks_first", "HND", 8, tp_size=2, tp_rank=0,
+            "DT0": _decoder("blocks_first", "HND", 8, tp_size=2, tp_rank=0,
                              engine_id="dtp2-engine"),
-            "DT1": _consumer("blocks_first", "HND", 8, tp_size=2, tp_rank=1,
+            "DT1": _decoder("blocks_first", "HND", 8, tp_size=2, tp_rank=1,
                              engine_id="dtp2-engine"),
         }
         started = start_peers(*specs.values())
@@ -82,7 +82,7 @@ class Peers:
         self.ptp = [self.PT0, self.PT1]
         self.dtp = [self.DT0, self.DT1]
         self.producers = [p for n, p in self.by_name.items() if n.startswith("P")]
-        self.consumers = [p for n, p in self.by_name.items() if n.startswith("D")]
+        self.decoders = [p for n, p in self.by_name.items() if n.startswith("D")]
 
     def close(self):
         close_peers(*self.by_name.values())
@@ -97,9 +97,9 @@ def peers():
 
 @pytest.fixture(autouse=True)
 def no_leaks(peers):
-    before = live_state(peers.producers, peers.consumers)
+    before = live_state(peers.producers, peers.decoders)
     yield
-    assert_no_leaks(peers.producers, peers.consumers, baseline=before)
+    assert_no_leaks(peers.producers, peers.decoders, baseline=before)
 
 
 def registers_with(p_tp: int, d_tp: int, d: int) -> list[int]:
@@ -117,7 +117,7 @@ def registrations_expected(p_tp: int, d_tp: int, ranks=None) -> list[int]:
     return out
 
 
-def push(producers, consumers, *, num_tokens: int, pblocks, dblocks, first_token: int = 0,
+def push(producers, decoders, *, num_tokens: int, pblocks, dblocks, first_token: int = 0,
          order: str = "reg_first", seed: int | None = None, check_order: bool = True,
          last_rank_first: bool = False) -> dict:
     """One transfer through the real path from a producer TP group to a decoder TP group.
@@ -132,35 +132,35 @@ def push(producers, consumers, *, num_tokens: int, pblocks, dblocks, first_token
     addr = producers[0].call("address")
     for p in producers:
         p.call("fill", seed, num_tokens, pblocks)
-    want = registrations_expected(len(producers), len(consumers))
+    want = registrations_expected(len(producers), len(decoders))
     name = "registrations_early" if order == "reg_first" else "registrations_late"
     before = [counter(p, name) for p in producers]
     t0 = time.monotonic()
     if order == "reg_first":
-        ranks = list(range(len(consumers)))
+        ranks = list(range(len(decoders)))
         steps = [ranks[::-1][: i + 1] for i in ranks] if last_rank_first else [ranks]
         for step in steps:  # one rank at a time (and waited for), or all at once
             for d in step[-1:] if last_rank_first else step:
-                consumers[d].call("expect", dkey, tid, 0, addr, dblocks, first_token, num_tokens)
-            got = registrations_expected(len(producers), len(consumers), step)
+                decoders[d].call("expect", dkey, tid, 0, addr, dblocks, first_token, num_tokens)
+            got = registrations_expected(len(producers), len(decoders), step)
             for p, b, w in zip(producers, before, got):
                 if wait_counter(p, name, b + w) < b + w:
                     raise AssertionError(
                         f"registrations did not reach P: {[counter(q, name) for q in producers]}"
                         f" from {before}, want +{got}; decoders' outcomes so far: "
-                        f"{[d.call('poll_outcomes') for d in consumers]}")
+                        f"{[d.call('poll_outcomes') for d in decoders]}")
         for p in producers:
             p.call("prefill_done", pkey, tid, pblocks, num_tokens)
     else:
         for p in producers:
             p.call("prefill_done", pkey, tid, pblocks, num_tokens)
             p.call("live")  # a barrier: the transfer thread has taken the prefill in
-        for d in consumers:
+        for d in decoders:
             d.call("expect", dkey, tid, 0, addr, dblocks, first_token, num_tokens)
-    outcomes = [d.call("wait_outcome", dkey, 15) for d in consumers]
+    outcomes = [d.call("wait_outcome", dkey, 15) for d in decoders]
     latency = time.monotonic() - t0
     assert all(o is not None and o[0] == "received" for o in outcomes), outcomes
-    for rank, d in enumerate(consumers):
+    for rank, d in enumerate(decoders):
         bad = d.call("verify", seed, num_tokens, dblocks, first_token)
         assert bad == 0, f"decoder rank {rank}: {bad} bytes differ"
     for rank, p in enumerate(producers):
@@ -270,7 +270,7 @@ def test_producer_tp2_to_decoder_tp4(peers, figures):
     """P rank 1 writes nothing to D ranks 0 and 1 (they hold heads 0 and 1 of P rank 0) yet
     hears from D rank 0, and must still release its source once D ranks 2 and 3 are written."""
     t0 = time.monotonic()
-    dtp4 = start_peers(*[_consumer("kv_split", "NHD", 16, tp_size=4, tp_rank=r,
+    dtp4 = start_peers(*[_decoder("kv_split", "NHD", 16, tp_size=4, tp_rank=r,
                                    engine_id="dtp4-engine") for r in range(4)])
     figures("integration", "start 4 decoder processes (TP 4)", time.monotonic() - t0)
     try:
@@ -431,7 +431,7 @@ def test_cross_vendor_layouts(direction):
     neuron = dict(placement="kv_split", order="HND", block_size=32)
     cuda = dict(placement="blocks_first", order="NHD", block_size=16)
     p_kw, d_kw = (neuron, cuda) if direction == "neuron_to_cuda" else (cuda, neuron)
-    p, d = start_peers(_producer(**p_kw), _consumer(**d_kw))
+    p, d = start_peers(_producer(**p_kw), _decoder(**d_kw))
     try:
         n = 333
         rng = np.random.default_rng(11)

@@ -96,7 +96,7 @@ class _Want:
     silent: bool = False  # a release-only notice: no outcome goes to the engine
 
 
-class Consumer:
+class Decoder:
     handles = (WriteDone, CancelAck, TransferFailed)
 
     def __init__(self, thread: TransferThread, *, max_handshakes: int = 8,
