@@ -222,9 +222,9 @@ class Decoder:
                 raise MessageRejected("conflict", f"{remote.address} was {remote.engine_id}, "
                                       f"now {welcome.engine_id}")
             peer = self.ctx.add_peer(welcome.agent_metadata, engine_id=welcome.engine_id,
-                                   tp_rank=rank, geometry=welcome.geometry,
-                                   digest=geometry_digest(welcome.geometry),
-                                   address=remote.address)
+                                     tp_rank=rank, geometry=welcome.geometry,
+                                     digest=geometry_digest(welcome.geometry),
+                                     address=remote.address)
         except MessageRejected as e:
             self.ctx.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
             self._on_handshake_failed(remote, rank, str(e))

@@ -115,8 +115,8 @@ class Producer:
         except GeometryError as e:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
-                        tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                        digest=geometry_digest(hello.geometry))
+                          tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
+                          digest=geometry_digest(hello.geometry))
         self.ctx.counters.inc("handshakes")
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                        agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
@@ -217,15 +217,15 @@ class Producer:
 
     def _ack(self, peer: str, tid: str, d_rank: int, attempt: int) -> None:
         self.ctx.send(peer, CancelAck(transfer_id=tid, attempt=attempt,
-                                    engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank))
+                                      engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank))
 
     def _fail(self, peer: str, tid: str, attempt: int, reason: str) -> None:
         self.ctx.counters.inc("transfers_failed")
         logger.warning("kv_push: transfer %s attempt %d to %s failed: %s", tid, attempt, peer,
                        reason)
         self.ctx.send(peer, TransferFailed(transfer_id=tid, attempt=attempt,
-                                         engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank,
-                                         reason=reason))
+                                           engine_id=self.ctx.engine_id,
+                                           tp_rank=self.ctx.tp_rank, reason=reason))
 
     # -- transfers -----------------------------------------------------------------------------
     def _start(self, pairing: Pairing) -> None:

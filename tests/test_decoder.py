@@ -234,7 +234,7 @@ def test_notices_for_another_attempt_or_transfer_are_stale():
 def test_cancel_fences_until_every_told_producer_acks():
     b = Bench(p_tp=2)
     b.expect()
-    b.got(0), b.got(1)
+    b.got(0), b.got(1)  # the registrations
     b.write_done(1)  # rank 1 already wrote: nothing to fence there
     b.cancel()
     assert b.got(0) == [b.cancel_msg()] and b.got(1) == []
@@ -320,7 +320,7 @@ def test_a_welcome_that_does_not_fit_is_refused(rank, change, reason):
 def test_a_producer_failure_fences_the_other_writers_before_failing():
     b = Bench(p_tp=2)
     b.expect()
-    b.got(0), b.got(1)
+    b.got(0), b.got(1)  # the registrations
     b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
     assert b.got(1) == [b.cancel_msg(reason="producer rank 0: boom")]
     assert b.got(0) == []  # it failed: it writes nothing more
@@ -376,7 +376,7 @@ def test_producer_death_while_fencing_releases():
 def test_a_request_times_out_but_stays_fenced_until_the_producer_acks():
     b = Bench()
     b.expect()
-    b.got()
+    b.got()  # the registration
     b.clock.advance(TIMEOUT - 1)
     b.d.step()
     assert b.outcomes() == [] and b.d.count("expired") == 0

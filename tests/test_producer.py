@@ -16,6 +16,7 @@ from kv_push.common.messages import (
     COMPAT_HASH,
     Cancel,
     CancelAck,
+    Goodbye,
     Hello,
     MessageRejected,
     Register,
@@ -427,8 +428,6 @@ def test_decoder_death_before_the_prefill_releases_it_when_it_arrives():
 
 
 def test_a_decoder_that_says_goodbye_is_dropped_and_its_registration_with_it():
-    from kv_push.common.messages import Goodbye
-
     b = Bench(d_tp=2)
     b.register(rank=0)
     b.register(rank=1)
