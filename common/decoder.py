@@ -1,8 +1,9 @@
 """Decoder role of the transfer thread: register, count completions, fence on abort.
 
-Runs only on the transfer thread. The engine hands it ``expect`` (a request whose prompt KV a
-producer will push into these blocks) and ``cancel`` (the request is gone). Results leave through
-``outcomes``, a thread-safe queue of ``Outcome`` the engine drains:
+Runs only on the transfer thread, which it sees through a ``RoleContext`` (``self.ctx``). The
+engine hands it ``expect`` (a request whose prompt KV a producer will push into these blocks) and
+``cancel`` (the request is gone). Results leave through ``outcomes``, a thread-safe queue of
+``Outcome`` the engine drains:
 
 * ``received`` -- every producer rank that writes to this rank has reported ``WriteDone``;
 * ``failed``   -- the transfer cannot complete (handshake failed, a producer reported failure or
@@ -18,15 +19,16 @@ write nothing to anyone still learn the decoder's TP and can release their block
 register with the producer ranks that write to them (``writer_ranks``). A rank expects one
 ``WriteDone`` per writer rank.
 
-Handshakes run on a small thread pool with a time-out, so a producer that hangs delays only the
-requests that need it.
+Handshakes run on a small thread pool (or the ``executor`` given) with a time-out, so a producer
+that hangs delays only the requests that need it; their results come back through
+``RoleContext.submit``.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,7 +47,7 @@ from .messages import (
     geometry_digest,
 )
 from .side_channel import HandshakeError, handshake
-from .transfer_thread import Peer, TransferThread
+from .transfer_thread import Peer, RoleContext
 
 logger = logging.getLogger(__name__)
 
@@ -99,23 +101,27 @@ class _Want:
 class Decoder:
     handles = (WriteDone, CancelAck, TransferFailed)
 
-    def __init__(self, thread: TransferThread, *, max_handshakes: int = 8,
-                 handshake_fn: Callable[..., Welcome] = handshake):
-        self.t = thread
+    def __init__(self, ctx: RoleContext, *, max_handshakes: int = 8,
+                 handshake_fn: Callable[..., Welcome] = handshake,
+                 executor: Executor | None = None):
+        """``handshake_fn`` has the signature of ``side_channel.handshake``; it runs on
+        ``executor`` (default: a pool of ``max_handshakes`` threads, shut down by ``close``)."""
+        self.ctx = ctx
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.remotes: dict[Address, _Remote] = {}
         self.wants: dict[str, _Want] = {}  # key -> want
         self.by_tid: dict[str, str] = {}  # transfer id -> key
-        self._pool = ThreadPoolExecutor(max_handshakes, thread_name_prefix="kv-push-handshake")
+        self._pool = executor or ThreadPoolExecutor(max_handshakes,
+                                                    thread_name_prefix="kv-push-handshake")
         self._handshake = handshake_fn
         self._hello: Hello | None = None
-        self.digest = geometry_digest(thread.geometry)
+        self.digest = geometry_digest(ctx.geometry)  # sent with every registration
 
     def _my_hello(self) -> Hello:
         if self._hello is None:
-            self._hello = Hello(engine_id=self.t.engine_id, agent_name=self.t.transport.agent_name,
-                                agent_metadata=self.t.transport.metadata(),
-                                geometry=self.t.geometry, compat_hash=COMPAT_HASH)
+            self._hello = Hello(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
+                                agent_metadata=self.ctx.metadata(),
+                                geometry=self.ctx.geometry, compat_hash=COMPAT_HASH)
         return self._hello
 
     # -- engine events -------------------------------------------------------------------------
@@ -124,9 +130,9 @@ class Decoder:
         old = self.wants.get(key)
         if old is not None:
             self._fence(old, "released", "superseded by a new attempt")
-        now = self.t.clock()
+        now = self.ctx.clock()
         want = _Want(key, transfer_id, attempt, (address[0], int(address[1])), tuple(block_ids),
-                     first_token, num_tokens, now + self.t.config.transfer_timeout_s, now)
+                     first_token, num_tokens, now + self.ctx.config.transfer_timeout_s, now)
         self.wants[key] = want
         self.by_tid[transfer_id] = key
         self._advance(want)
@@ -137,7 +143,7 @@ class Decoder:
             # Its outcome already went out (expect and cancel reach this thread in order), and
             # the engine must hear about a request exactly once.
             return
-        self.t.counters.inc("cancels")
+        self.ctx.counters.inc("cancels")
         self._fence(want, "released", reason)
 
     # -- connection and registration -----------------------------------------------------------
@@ -150,7 +156,7 @@ class Decoder:
         if remote.tp_size is None:
             self._connect(remote, 0, want.address[1])
             return
-        g = self.t.geometry
+        g = self.ctx.geometry
         writers = writer_ranks(g.num_kv_heads, remote.tp_size, g.tp_size, g.tp_rank)
         needed = set(range(remote.tp_size)) if g.tp_rank == 0 else set(writers)
         missing = needed - set(remote.rank_peers)
@@ -162,14 +168,14 @@ class Decoder:
         for rank in sorted(needed):
             peer = remote.rank_peers[rank]
             reg = Register(transfer_id=want.transfer_id, attempt=want.attempt,
-                           engine_id=self.t.engine_id, tp_rank=g.tp_rank,
+                           engine_id=self.ctx.engine_id, tp_rank=g.tp_rank,
                            block_ids=want.block_ids, first_token=want.first_token,
                            num_tokens=want.num_tokens, geometry_digest=self.digest)
-            if not self.t.send(peer, reg):
+            if not self.ctx.send(peer, reg):
                 self._fail(want, f"could not notify producer rank {rank}")
                 return
             want.sent[rank] = peer
-            self.t.counters.inc("registrations_sent")
+            self.ctx.counters.inc("registrations_sent")
         want.resolved |= set(want.sent) - want.expected  # non-writers never write to us
         want.state = "registered"
         self._check(want)
@@ -180,8 +186,8 @@ class Decoder:
         remote.connecting.add(rank)
         hello = self._my_hello()
         host = remote.address[0]
-        timeout = self.t.config.handshake_timeout_s
-        codec = self.t.codec
+        timeout = self.ctx.config.handshake_timeout_s
+        codec = self.ctx.codec
 
         def job() -> None:
             try:
@@ -189,15 +195,15 @@ class Decoder:
                                           on_closed=self._lifeline_closed)
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
-                self.t.submit(lambda: self._on_handshake_failed(remote, rank, reason))
+                self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason))
                 return
-            self.t.submit(lambda: self._on_welcome(remote, rank, welcome))
+            self.ctx.submit(lambda: self._on_welcome(remote, rank, welcome))
 
         self._pool.submit(job)
 
     def _lifeline_closed(self, welcome: Welcome) -> None:
         """(lifeline thread) The producer's side channel closed: it is gone."""
-        self.t.peer_lost(welcome.agent_name, "producer closed its side channel")
+        self.ctx.peer_lost(welcome.agent_name, "producer closed its side channel")
 
     def _on_welcome(self, remote: _Remote, rank: int, welcome: Welcome) -> None:
         remote.connecting.discard(rank)
@@ -206,7 +212,7 @@ class Decoder:
                 raise MessageRejected("incompatible", f"producer {welcome.engine_id} speaks "
                                       f"{welcome.compat_hash}, we speak {COMPAT_HASH}")
             try:
-                welcome.geometry.compatible_with(self.t.geometry)
+                welcome.geometry.compatible_with(self.ctx.geometry)
             except GeometryError as e:
                 raise MessageRejected("bad_layout", f"producer {welcome.engine_id}: {e}") from None
             if welcome.geometry.tp_rank != rank:
@@ -215,15 +221,15 @@ class Decoder:
             if remote.engine_id not in (None, welcome.engine_id):
                 raise MessageRejected("conflict", f"{remote.address} was {remote.engine_id}, "
                                       f"now {welcome.engine_id}")
-            peer = self.t.add_peer(welcome.agent_metadata, engine_id=welcome.engine_id,
-                                   tp_rank=rank, geometry=welcome.geometry,
-                                   digest=geometry_digest(welcome.geometry),
-                                   address=remote.address)
+            peer = self.ctx.add_peer(welcome.agent_metadata, engine_id=welcome.engine_id,
+                                     tp_rank=rank, geometry=welcome.geometry,
+                                     digest=geometry_digest(welcome.geometry),
+                                     address=remote.address)
         except MessageRejected as e:
-            self.t.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
+            self.ctx.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
             self._on_handshake_failed(remote, rank, str(e))
             return
-        self.t.counters.inc("handshakes")
+        self.ctx.counters.inc("handshakes")
         remote.engine_id = welcome.engine_id
         remote.rank_peers[rank] = peer.agent_name
         if rank == 0:
@@ -238,7 +244,7 @@ class Decoder:
 
     def _on_handshake_failed(self, remote: _Remote, rank: int, reason: str) -> None:
         remote.connecting.discard(rank)
-        self.t.counters.inc("handshake_failures")
+        self.ctx.counters.inc("handshake_failures")
         logger.warning("kv_push: handshake with %s:%d (producer rank %d) failed: %s",
                        remote.address[0], remote.ports[rank] if rank < len(remote.ports)
                        else remote.address[1], rank, reason)
@@ -253,7 +259,7 @@ class Decoder:
         key = self.by_tid.get(msg.transfer_id)
         want = self.wants.get(key) if key is not None else None
         if want is None or want.attempt != msg.attempt:
-            self.t.counters.inc("stale", label=type(msg).__name__)
+            self.ctx.counters.inc("stale", label=type(msg).__name__)
             return None
         if want.sent.get(msg.tp_rank) != peer.agent_name or msg.engine_id != peer.engine_id:
             raise MessageRejected("spoofed", f"{type(msg).__name__} for {msg.transfer_id} from "
@@ -283,7 +289,7 @@ class Decoder:
 
     # -- state changes -------------------------------------------------------------------------
     def _fail(self, want: _Want, reason: str) -> None:
-        self.t.counters.inc("transfers_failed")
+        self.ctx.counters.inc("transfers_failed")
         logger.warning("kv_push: transfer %s (%s) failed: %s", want.transfer_id, want.key, reason)
         self._fence(want, "failed", reason)
 
@@ -311,18 +317,18 @@ class Decoder:
         want.state = "fencing"
         for rank in sorted(want.expected - want.resolved):
             peer = want.sent.get(rank)
-            if peer is None or peer not in self.t.peers:
+            if peer is None or self.ctx.peer(peer) is None:
                 want.resolved.add(rank)
                 continue
-            self.t.send(peer, Cancel(transfer_id=want.transfer_id, attempt=want.attempt,
-                                     engine_id=self.t.engine_id, tp_rank=self.t.geometry.tp_rank,
-                                     reason=reason))
+            self.ctx.send(peer, Cancel(transfer_id=want.transfer_id, attempt=want.attempt,
+                                       engine_id=self.ctx.engine_id,
+                                       tp_rank=self.ctx.geometry.tp_rank, reason=reason))
         self._check(want)
 
     def _check(self, want: _Want) -> None:
         if want.state == "registered" and want.expected <= want.arrived:
-            self.t.counters.inc("transfers_done")
-            self.t.counters.inc("transfer_seconds", self.t.clock() - want.started)
+            self.ctx.counters.inc("transfers_done")
+            self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - want.started)
             self._finish(want, "received", "")
         elif want.state == "fencing" and want.expected <= want.resolved:
             self._finish(want, want.outcome, want.reason)
@@ -338,8 +344,8 @@ class Decoder:
     def tick(self, now: float) -> None:
         for want in list(self.wants.values()):
             if want.state != "fencing" and now > want.deadline:
-                self.t.counters.inc("expired")
-                self._fail(want, f"no KV within {self.t.config.transfer_timeout_s:.0f}s")
+                self.ctx.counters.inc("expired")
+                self._fail(want, f"no KV within {self.ctx.config.transfer_timeout_s:.0f}s")
 
     def busy(self) -> bool:
         # Waiting for WriteDone needs NIXL progress on this side, but polling every

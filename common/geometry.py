@@ -62,7 +62,8 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
     # -- derived -----------------------------------------------------------------------------
     @property
     def local_heads(self) -> int:
-        return max(1, self.num_kv_heads // self.tp_size)
+        """KV heads this rank holds (see the module function ``local_heads``)."""
+        return local_heads(self.num_kv_heads, self.tp_size)
 
     @property
     def head_range(self) -> tuple[int, int]:
@@ -103,15 +104,7 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if self.token_order not in ("NHD", "HND", "opaque"):
             raise GeometryError(
                 f"token_order must be NHD, HND or opaque, got {self.token_order!r}")
-        if self.tp_size <= self.num_kv_heads:
-            if self.num_kv_heads % self.tp_size:
-                raise GeometryError(
-                    f"{self.num_kv_heads} KV heads do not split evenly over TP {self.tp_size}"
-                )
-        elif self.tp_size % self.num_kv_heads:
-            raise GeometryError(
-                f"TP {self.tp_size} is not a multiple of {self.num_kv_heads} KV heads"
-            )
+        check_head_split(self.num_kv_heads, self.tp_size)
         if self.kv_parts not in (1, 2):
             raise GeometryError(f"kv_parts must be 1 or 2, got {self.kv_parts}")
         want_v = self.num_layers if self.kv_parts == 2 else 0
@@ -164,9 +157,32 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         return [(lo, hi - lo) for lo, hi in merged]
 
 
-def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+def local_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one rank of a TP group holds: ``num_kv_heads / tp_size``, or 1 when the group has
+    more ranks than heads (each head is then replicated on ``tp_size / num_kv_heads`` ranks)."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def check_head_split(num_kv_heads: int, tp_size: int, side: str = "") -> None:
+    """Raise GeometryError unless ``num_kv_heads`` KV heads can be spread over ``tp_size`` ranks:
+    an even split (``tp_size <= num_kv_heads``) or an equal number of replicas per head.
+    ``side`` ("producer", "decoder") names the TP group in the message."""
+    tp = f"{side} TP" if side else "TP"
+    if num_kv_heads <= 0:
+        raise GeometryError(f"num_kv_heads must be positive, got {num_kv_heads}")
+    if tp_size <= 0:
+        raise GeometryError(f"{tp} size must be positive, got {tp_size}")
     if tp_size <= num_kv_heads:
-        per = num_kv_heads // tp_size
+        if num_kv_heads % tp_size:
+            raise GeometryError(f"{num_kv_heads} KV heads do not split evenly over {tp} {tp_size}")
+    elif tp_size % num_kv_heads:
+        raise GeometryError(f"{tp} {tp_size} is not a multiple of {num_kv_heads} KV heads")
+
+
+def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """Global KV heads ``[lo, hi)`` that rank ``tp_rank`` of a TP group of ``tp_size`` holds."""
+    if tp_size <= num_kv_heads:
+        per = local_heads(num_kv_heads, tp_size)
         return tp_rank * per, (tp_rank + 1) * per
     replicas = tp_size // num_kv_heads
     h = tp_rank // replicas
@@ -178,7 +194,7 @@ def _block_bytes(kw: dict) -> int:
     kw.setdefault("tp_size", 1)
     kw.setdefault("tp_rank", 0)
     kw.setdefault("token_order", "NHD")
-    local = max(1, kw["num_kv_heads"] // kw["tp_size"])
+    local = local_heads(kw["num_kv_heads"], kw["tp_size"])
     return kw["block_size"] * local * kw["head_size"] * kw["dtype_bytes"]
 
 

@@ -61,7 +61,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .geometry import GeometryError, KVGeometry, head_range
+from .geometry import GeometryError, KVGeometry, check_head_split, head_range, local_heads
 
 __all__ = ["WritePlan", "writer_ranks", "target_ranks", "plan_writes"]
 
@@ -111,18 +111,6 @@ def _empty_plan() -> WritePlan:
 # -- heads -----------------------------------------------------------------------------------
 
 
-def _check_tp(num_kv_heads: int, tp: int, what: str) -> None:
-    if num_kv_heads <= 0:
-        raise GeometryError(f"num_kv_heads must be positive, got {num_kv_heads}")
-    if tp <= 0:
-        raise GeometryError(f"{what} TP size must be positive, got {tp}")
-    if tp <= num_kv_heads:
-        if num_kv_heads % tp:
-            raise GeometryError(f"{num_kv_heads} KV heads do not split evenly over {what} TP {tp}")
-    elif tp % num_kv_heads:
-        raise GeometryError(f"{what} TP {tp} is not a multiple of {num_kv_heads} KV heads")
-
-
 def writer_ranks(
     num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int
 ) -> dict[int, tuple[int, int]]:
@@ -134,14 +122,14 @@ def writer_ranks(
     ``g*replicas ... g*replicas + replicas - 1`` and ``dst_rank`` takes replica
     ``dst_rank % replicas``. Keys are in increasing rank order.
     """
-    _check_tp(num_kv_heads, src_tp, "producer")
-    _check_tp(num_kv_heads, dst_tp, "decoder")
+    check_head_split(num_kv_heads, src_tp, "producer")
+    check_head_split(num_kv_heads, dst_tp, "decoder")
     if not 0 <= dst_rank < dst_tp:
         raise GeometryError(f"decoder rank {dst_rank} outside TP {dst_tp}")
     lo, hi = head_range(num_kv_heads, dst_tp, dst_rank)
     out: dict[int, tuple[int, int]] = {}
     if src_tp <= num_kv_heads:
-        per = num_kv_heads // src_tp
+        per = local_heads(num_kv_heads, src_tp)
         for rank in range(lo // per, (hi - 1) // per + 1):
             out[rank] = (max(lo, rank * per), min(hi, (rank + 1) * per))
     else:
@@ -154,7 +142,7 @@ def writer_ranks(
 
 def target_ranks(num_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int) -> list[int]:
     """Decoder ranks that producer rank ``src_rank`` writes into (inverse of :func:`writer_ranks`)."""
-    _check_tp(num_kv_heads, src_tp, "producer")
+    check_head_split(num_kv_heads, src_tp, "producer")
     if not 0 <= src_rank < src_tp:
         raise GeometryError(f"producer rank {src_rank} outside TP {src_tp}")
     return [d for d in range(dst_tp) if src_rank in writer_ranks(num_kv_heads, src_tp, dst_tp, d)]

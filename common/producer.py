@@ -1,9 +1,10 @@
 """Producer (prefill) role of the transfer thread: registrations meet prefills, WRITEs go out.
 
-Runs only on the transfer thread. The engine hands it finished prefills with ``prefill_done``
-(through ``TransferThread.submit``); decoders' ``Register`` and ``Cancel`` arrive as
-notifications. When a registration and its prefill meet (``Rendezvous``) the producer maps the
-blocks (``plan_writes``) and posts one WRITE per decoder rank, carrying the ``WriteDone`` notice.
+Runs only on the transfer thread, which it sees through a ``RoleContext`` (``self.ctx``). The
+engine hands it finished prefills with ``prefill_done`` (through ``TransferThread.submit``);
+decoders' ``Register`` and ``Cancel`` arrive as notifications. When a registration and its
+prefill meet (``Rendezvous``) the producer maps the blocks (``plan_writes``) and posts one WRITE
+per decoder rank, carrying the ``WriteDone`` notice.
 
 Source blocks (the prefill's blocks on this worker) are released -- reported through
 ``on_released(key)`` so the engine frees them -- once every decoder rank this worker writes to
@@ -43,7 +44,7 @@ from .messages import (
     geometry_digest,
 )
 from .rendezvous import Pairing, Registration, Rendezvous, Source, StaleEvent
-from .transfer_thread import Peer, TransferThread
+from .transfer_thread import Peer, RoleContext
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +93,16 @@ class _Transfer:
 class Producer:
     handles = (Register, Cancel)
 
-    def __init__(self, thread: TransferThread, *, on_released: Callable[[str], None],
+    def __init__(self, ctx: RoleContext, *, on_released: Callable[[str], None],
                  side_channel_ports: tuple[int, ...] = ()):
-        self.t = thread
+        self.ctx = ctx
         self.on_released = on_released
         self.side_channel_ports = side_channel_ports
-        self.rdv = Rendezvous(thread.config.rendezvous_ttl_s, clock=thread.clock)
+        self.rdv = Rendezvous(ctx.config.rendezvous_ttl_s, clock=ctx.clock)
         self.transfers: dict[str, _Transfer] = {}
         self.sources: dict[str, Source] = {}  # key -> source not yet released
         self.jobs: dict[tuple[str, int, int], _Job] = {}  # (tid, d_rank, attempt)
         self.tombstones: dict[str, float] = {}  # released transfer ids -> when
-        self.digest = geometry_digest(thread.geometry)
 
     # -- handshake (called on this thread by the side channel through TransferThread.call) ---
     def accept_hello(self, hello: Hello) -> Welcome:
@@ -111,15 +111,15 @@ class Producer:
                 "incompatible", f"decoder {hello.engine_id} speaks {hello.compat_hash}, "
                 f"we speak {COMPAT_HASH}: install the same kv-push version on P and D")
         try:
-            self.t.geometry.compatible_with(hello.geometry)
+            self.ctx.geometry.compatible_with(hello.geometry)
         except GeometryError as e:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
-        self.t.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
-                        tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                        digest=geometry_digest(hello.geometry))
-        self.t.counters.inc("handshakes")
-        return Welcome(engine_id=self.t.engine_id, agent_name=self.t.transport.agent_name,
-                       agent_metadata=self.t.transport.metadata(), geometry=self.t.geometry,
+        self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
+                          tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
+                          digest=geometry_digest(hello.geometry))
+        self.ctx.counters.inc("handshakes")
+        return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
+                       agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
                        compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports)
 
     # -- engine events -------------------------------------------------------------------------
@@ -127,18 +127,18 @@ class Producer:
                      num_tokens: int) -> None:
         if transfer_id in self.tombstones:
             # a re-issued prefill for a transfer already served: nothing will read it
-            self.t.counters.inc("stale", label="prefill_after_release")
+            self.ctx.counters.inc("stale", label="prefill_after_release")
             self.on_released(key)
             return
         source = Source(key, transfer_id, tuple(block_ids), num_tokens)
         try:
             pairings, displaced = self.rdv.add_source(source)
         except StaleEvent as e:
-            self.t.counters.reject("stale", str(e), context="prefill")
+            self.ctx.counters.reject("stale", str(e), context="prefill")
             return
         self.sources[key] = source
         if displaced is not None:
-            self.t.counters.inc("stale", label="prefill_superseded")
+            self.ctx.counters.inc("stale", label="prefill_superseded")
             self._maybe_release_source(displaced)
         for pairing in pairings:
             self._start(pairing)
@@ -148,12 +148,7 @@ class Producer:
         """The prefill will never finish (aborted, errored): tell decoders now, not at time-out."""
         for reg in self.rdv.registrations(transfer_id):
             self._fail(reg.peer, transfer_id, reg.attempt, f"prefill failed: {reason}")
-        source = self.rdv.source(transfer_id)
-        self.rdv.drop(transfer_id)
-        self.transfers.pop(transfer_id, None)
-        self.tombstones[transfer_id] = self.t.clock()
-        if source is not None:
-            self._maybe_release_source(source)
+        self._retire(transfer_id, self.rdv.source(transfer_id))
 
     # -- messages ------------------------------------------------------------------------------
     def on_message(self, peer: Peer, msg) -> None:
@@ -173,7 +168,7 @@ class Producer:
         if msg.transfer_id in self.tombstones:
             self._fail(peer.agent_name, msg.transfer_id, msg.attempt,
                        "the producer already released this transfer")
-            self.t.counters.inc("stale", label="registration_after_release")
+            self.ctx.counters.inc("stale", label="registration_after_release")
             return
         reg = Registration(msg.transfer_id, msg.attempt, peer.agent_name, msg.engine_id,
                            msg.tp_rank, tuple(msg.block_ids), msg.first_token, msg.num_tokens)
@@ -183,21 +178,21 @@ class Producer:
                                   f"{tr.decoder_engine} and {msg.engine_id}")
         tr.decoder_engine = msg.engine_id
         if tr.targets is None:
-            g = self.t.geometry
+            g = self.ctx.geometry
             tr.targets = set(target_ranks(g.num_kv_heads, g.tp_size, g.tp_rank,
                                           peer.geometry.tp_size))
         try:
             pairing, superseded = self.rdv.add_registration(reg)
         except StaleEvent as e:
-            self.t.counters.reject("stale", str(e), context="registration")
+            self.ctx.counters.reject("stale", str(e), context="registration")
             return
         if superseded is not None:
-            self.t.counters.inc("stale", label="registration_superseded")
+            self.ctx.counters.inc("stale", label="registration_superseded")
         tr.resolved.discard(msg.tp_rank)
         if pairing is None:
-            self.t.counters.inc("registrations_early")
+            self.ctx.counters.inc("registrations_early")
         else:
-            self.t.counters.inc("registrations_late")
+            self.ctx.counters.inc("registrations_late")
             self._start(pairing)
         self._maybe_finish(msg.transfer_id)
 
@@ -205,7 +200,7 @@ class Producer:
         if msg.engine_id != peer.engine_id or msg.tp_rank != peer.tp_rank:
             raise MessageRejected("spoofed", f"cancel names {msg.engine_id}/{msg.tp_rank} "
                                   f"but came from {peer.engine_id}/{peer.tp_rank}")
-        self.t.counters.inc("cancels")
+        self.ctx.counters.inc("cancels")
         try:
             current = self.rdv.cancel(msg.transfer_id, msg.tp_rank, msg.attempt)
         except StaleEvent:
@@ -221,22 +216,22 @@ class Producer:
         self._maybe_finish(msg.transfer_id)
 
     def _ack(self, peer: str, tid: str, d_rank: int, attempt: int) -> None:
-        self.t.send(peer, CancelAck(transfer_id=tid, attempt=attempt,
-                                    engine_id=self.t.engine_id, tp_rank=self.t.tp_rank))
+        self.ctx.send(peer, CancelAck(transfer_id=tid, attempt=attempt,
+                                      engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank))
 
     def _fail(self, peer: str, tid: str, attempt: int, reason: str) -> None:
-        self.t.counters.inc("transfers_failed")
+        self.ctx.counters.inc("transfers_failed")
         logger.warning("kv_push: transfer %s attempt %d to %s failed: %s", tid, attempt, peer,
                        reason)
-        self.t.send(peer, TransferFailed(transfer_id=tid, attempt=attempt,
-                                         engine_id=self.t.engine_id, tp_rank=self.t.tp_rank,
-                                         reason=reason))
+        self.ctx.send(peer, TransferFailed(transfer_id=tid, attempt=attempt,
+                                           engine_id=self.ctx.engine_id,
+                                           tp_rank=self.ctx.tp_rank, reason=reason))
 
     # -- transfers -----------------------------------------------------------------------------
     def _start(self, pairing: Pairing) -> None:
-        started = self.t.clock()
+        started = self.ctx.clock()
         src, reg = pairing.source, pairing.registration
-        peer = self.t.peers.get(reg.peer)
+        peer = self.ctx.peer(reg.peer)
         tr = self.transfers.get(src.transfer_id)
         if tr is None:
             # Retired while an earlier pairing of the same prefill was started (its WRITE was
@@ -252,10 +247,10 @@ class Producer:
             tr.resolved.add(reg.tp_rank)
             return
         try:
-            plan = plan_writes(self.t.geometry, src.block_ids, peer.geometry, reg.block_ids,
+            plan = plan_writes(self.ctx.geometry, src.block_ids, peer.geometry, reg.block_ids,
                                first_token=reg.first_token, num_tokens=reg.num_tokens)
         except GeometryError as e:
-            self.t.counters.reject("bad_layout", str(e), context=f"plan for {reg.transfer_id}")
+            self.ctx.counters.reject("bad_layout", str(e), context=f"plan for {reg.transfer_id}")
             self._fail(reg.peer, reg.transfer_id, reg.attempt, f"cannot map blocks: {e}")
             tr.resolved.add(reg.tp_rank)
             return
@@ -263,19 +258,19 @@ class Producer:
             tr.resolved.add(reg.tp_rank)  # not a writer for that rank, or nothing left to write
             return
         if plan.head_sliced:
-            self.t.counters.inc("head_sliced_plans")
-        g = self.t.geometry
+            self.ctx.counters.inc("head_sliced_plans")
+        g = self.ctx.geometry
         src_d, dst_d = plan.descs("src", g.dev_id), plan.descs("dst", peer.geometry.dev_id)
-        cuts = _chunk_bounds(plan.length, self.t.config.max_post_bytes,
-                             self.t.config.max_post_regions)
+        cuts = _chunk_bounds(plan.length, self.ctx.config.max_post_bytes,
+                             self.ctx.config.max_post_regions)
         pending = []
         for i, (a, b) in enumerate(cuts):
-            notif = self.t.codec.encode(WriteDone(
-                transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.t.engine_id,
-                tp_rank=self.t.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
+            notif = self.ctx.codec.encode(WriteDone(
+                transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.ctx.engine_id,
+                tp_rank=self.ctx.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
                 chunks=len(cuts)))
             pending.append((src_d[a:b], dst_d[a:b], notif))
-        self.t.counters.inc("regions_written", plan.num_regions)
+        self.ctx.counters.inc("regions_written", plan.num_regions)
         jkey = (reg.transfer_id, reg.tp_rank, reg.attempt)
         self.jobs[jkey] = _Job(pairing, reg.peer, started, plan.total_bytes, pending)
         self._poll_job(jkey)
@@ -284,30 +279,29 @@ class Producer:
         job = self.jobs[jkey]
         if job.pending and not job.error and not job.ack_cancel:
             src_d, dst_d, notif = job.pending.pop(0)
-            g, peer = self.t.geometry, self.t.peers.get(job.peer)
+            g, peer = self.ctx.geometry, self.ctx.peer(job.peer)
             dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
-            job.handles.append(self.t.transport.write(job.peer, src_d, dst_d, g.mem_type,
-                                                      dst_mem, notif))
-            self.t.counters.inc("writes_posted")
-        states = [self.t.transport.poll(h) for h in job.handles]
+            job.handles.append(self.ctx.write(job.peer, src_d, dst_d, g.mem_type, dst_mem,
+                                              notif))
+            self.ctx.counters.inc("writes_posted")
+        states = [self.ctx.poll(h) for h in job.handles]
         if "ERR" in states and not job.error:
             bad = job.handles[states.index("ERR")]
-            job.error = getattr(self.t.transport, "failure_reason",
-                                lambda h: "WRITE failed")(bad)
+            job.error = self.ctx.failure_reason(bad)
         if "PROC" in states or (job.pending and not job.error and not job.ack_cancel):
             return  # in flight, or more to post: nothing may be released yet
         del self.jobs[jkey]
         tid, d_rank, attempt = jkey
         reg = job.pairing.registration
         for h in job.handles:
-            self.t.transport.release(h)
+            self.ctx.release(h)
         if job.error:
             self._fail(job.peer, tid, attempt, job.error)
         elif not job.pending:
-            self.t.counters.inc("transfers_done")
-            self.t.counters.inc("bytes_written", job.num_bytes)
-            self.t.counters.inc("transfer_seconds", self.t.clock() - job.started)
-        if job.ack_cancel and job.peer in self.t.peers:
+            self.ctx.counters.inc("transfers_done")
+            self.ctx.counters.inc("bytes_written", job.num_bytes)
+            self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - job.started)
+        if job.ack_cancel and self.ctx.peer(job.peer) is not None:
             self._ack(job.peer, tid, d_rank, attempt)
         tr = self.transfers.get(tid)
         current = {r.tp_rank: r for r in self.rdv.registrations(tid)}.get(d_rank)
@@ -336,15 +330,18 @@ class Producer:
             return
         if any(k[0] == tid for k in self.jobs):
             return
-        self._retire(tid)
+        self._retire(tid, src)
 
-    def _retire(self, tid: str) -> None:
-        src = self.rdv.source(tid)
+    def _retire(self, tid: str, source: Source | None) -> None:
+        """Forget transfer ``tid`` for good (done, failed or expired): drop its rendezvous entry
+        and what this worker owed, remember it in ``tombstones`` for ``rendezvous_ttl_s`` (late
+        registrations and re-issued prefills for it are answered at once), and release
+        ``source`` (its prefill, if any) unless something still reads it."""
         self.rdv.drop(tid)
         self.transfers.pop(tid, None)
-        self.tombstones[tid] = self.t.clock()
-        if src is not None:
-            self._maybe_release_source(src)
+        self.tombstones[tid] = self.ctx.clock()
+        if source is not None:
+            self._maybe_release_source(source)
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -352,16 +349,13 @@ class Producer:
             if jkey in self.jobs:
                 self._poll_job(jkey)
         for tid, source, regs in self.rdv.expire():
-            self.t.counters.inc("expired")
+            self.ctx.counters.inc("expired")
             logger.warning("kv_push: transfer %s expired unpaired (prefill %s, %d registration(s))",
                            tid, "done" if source else "missing", len(regs))
             for reg in regs:
                 self._fail(reg.peer, tid, reg.attempt, "no prefill arrived in time")
-            self.transfers.pop(tid, None)
-            self.tombstones[tid] = now
-            if source is not None:
-                self._maybe_release_source(source)
-        ttl = self.t.config.rendezvous_ttl_s
+            self._retire(tid, source)
+        ttl = self.ctx.config.rendezvous_ttl_s
         for tid, when in list(self.tombstones.items()):
             if now - when > ttl:
                 del self.tombstones[tid]
@@ -379,7 +373,7 @@ class Producer:
                 # its memory is gone with it; stop tracking and let the source go
                 del self.jobs[jkey]
                 for h in job.handles:
-                    self.t.transport.release(h)
+                    self.ctx.release(h)
                 tr = self.transfers.get(jkey[0])
                 if tr is not None:
                     tr.resolved.add(jkey[1])
@@ -390,7 +384,7 @@ class Producer:
     def close(self) -> None:
         for job in self.jobs.values():
             for h in job.handles:
-                self.t.transport.release(h)
+                self.ctx.release(h)
         self.jobs.clear()
 
     # -- introspection for tests and metrics ----------------------------------------------------

@@ -17,6 +17,11 @@ Everything that touches the agent runs here; everything else only hands work in.
 joins the thread. Exceptions from a role's handler are logged with context and counted; they do
 not kill the thread (the engine would hang without it), but they do fail the work concerned,
 which the role handles.
+
+Roles see the thread only through ``RoleContext``: sending a message, the peer table, the WRITE
+operations of the transport, the codec, the geometry, config, counters and clock, and ``submit``.
+The thread provides it. Nothing in a role needs the thread to run: an unstarted thread over a
+fake transport and a fake clock, advanced with ``step()``, drives roles in-process (the tests do).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
+
+import numpy as np
 
 from .config import PushConfig
 from .geometry import KVGeometry
@@ -50,17 +57,90 @@ class Peer:
 
 
 class Role(Protocol):
+    """What the thread asks of a role (producer, decoder). Every method runs on the thread."""
+
+    #: the message types ``on_message`` receives
     handles: tuple[type, ...]
 
-    def on_message(self, peer: Peer, msg: Message) -> None: ...
+    def on_message(self, peer: Peer, msg: Message) -> None:
+        """A message of a type in ``handles`` from a known peer. ``MessageRejected`` raised here
+        is counted as a rejection; any other exception is logged and counted."""
 
-    def tick(self, now: float) -> None: ...
+    def tick(self, now: float) -> None:
+        """Once per loop step: poll work in flight, apply time-outs (``now`` is the clock)."""
 
-    def busy(self) -> bool: ...
+    def busy(self) -> bool:
+        """True while work is in flight that needs the thread to spin rather than sleep."""
 
-    def on_peer_dead(self, peer: Peer) -> None: ...
+    def on_peer_dead(self, peer: Peer) -> None:
+        """``peer`` is gone (goodbye, silence, lifeline closed); it is no longer in the table."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """The thread is stopping: release what the role holds in the transport."""
+
+
+class RoleContext(Protocol):
+    """What a role may use of the transfer thread that runs it. ``TransferThread`` provides it.
+
+    Unless said otherwise, call it only on the transfer thread (or, for a thread that was never
+    started, on the one thread that steps it).
+    """
+
+    engine_id: str
+    tp_rank: int
+    #: this worker's KV geometry
+    geometry: KVGeometry
+    config: PushConfig
+    counters: Counters
+    #: the message codec (with the configured secret); thread-safe, so handshake threads use it
+    #: for side-channel frames too
+    codec: Codec
+    #: ``clock() -> float``: monotonic seconds (injected in tests)
+    clock: Callable[[], float]
+
+    @property
+    def agent_name(self) -> str:
+        """This worker's transport agent name (what peers know it by)."""
+
+    def metadata(self) -> bytes:
+        """This worker's transport metadata, for a peer's ``add_peer``."""
+
+    # -- messages and peers --
+    def send(self, peer: str, msg: Message) -> bool:
+        """Encode ``msg`` and send it to agent ``peer``. Returns False if it could not be posted."""
+
+    def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
+                 digest: str, address: tuple[str, int] | None = None) -> Peer:
+        """Load a peer's transport metadata (once) and track it. Raises ``MessageRejected``
+        ("layout_changed") if the agent is known with another geometry, ``TransportError`` if the
+        metadata cannot be loaded."""
+
+    def peer(self, agent_name: str) -> Peer | None:
+        """The live peer of that agent name, or None (never known, or dropped)."""
+
+    def peer_lost(self, agent_name: str, reason: str) -> None:
+        """(any thread) The peer is gone (its lifeline closed): drop it soon, on the thread; every
+        role's ``on_peer_dead`` is called."""
+
+    # -- transfers --
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, src_mem: str, dst_mem: str,
+              notif: bytes) -> Any:
+        """Post a WRITE of ``src`` descriptors into ``peer``'s ``dst`` descriptors that delivers
+        ``notif`` to ``peer`` when done. Returns a handle; a WRITE that cannot be posted is a
+        handle that polls "ERR" (it never raises by contract)."""
+
+    def poll(self, handle: Any) -> str:
+        """"PROC", "DONE" or "ERR"."""
+
+    def release(self, handle: Any) -> None:
+        """Free a handle that is no longer in flight ("DONE" or "ERR")."""
+
+    def failure_reason(self, handle: Any) -> str:
+        """Why a handle polled "ERR", in words."""
+
+    # -- work --
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """(any thread) Run ``fn`` on the transfer thread, soon. Never blocks."""
 
 
 class TransferThread:
@@ -137,9 +217,34 @@ class TransferThread:
         else:
             self._shutdown()
 
-    # -- helpers for roles (run on this thread) ----------------------------------------------
+    # -- RoleContext: what roles use (on this thread unless said otherwise) --------------------
+    @property
+    def agent_name(self) -> str:
+        return self.transport.agent_name
+
+    def metadata(self) -> bytes:
+        return self.transport.metadata()
+
     def send(self, peer: str, msg: Message) -> bool:
         return self.transport.send_notif(peer, self.codec.encode(msg))
+
+    def peer(self, agent_name: str) -> Peer | None:
+        return self.peers.get(agent_name)
+
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, src_mem: str, dst_mem: str,
+              notif: bytes) -> Any:
+        return self.transport.write(peer, src, dst, src_mem, dst_mem, notif)
+
+    def poll(self, handle: Any) -> str:
+        return self.transport.poll(handle)
+
+    def release(self, handle: Any) -> None:
+        self.transport.release(handle)
+
+    def failure_reason(self, handle: Any) -> str:
+        # not every transport explains its failures
+        explain = getattr(self.transport, "failure_reason", None)
+        return explain(handle) if explain is not None else "WRITE failed"
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None) -> Peer:
@@ -176,7 +281,7 @@ class TransferThread:
         try:
             while not self._stop.is_set():
                 try:
-                    self._step()
+                    self.step()
                     busy = any(role.busy() for role in self.roles)
                 except Exception:  # e.g. NIXL failing to poll: keep the thread, back off
                     logger.exception("kv_push: transfer thread step failed")
@@ -190,7 +295,10 @@ class TransferThread:
         finally:
             self._shutdown()
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One pass of the loop: run queued work, dispatch notifications, tick the roles, keep
+        liveness. The started thread calls it; a thread that was never started may be driven by
+        calling it from one thread (in-process tests with a fake transport and clock)."""
         while True:
             try:
                 queued_at, fn, fut = self._inbox.get_nowait()

@@ -87,7 +87,6 @@ class PushWorker:
         if role in ("decoder", "both"):
             self.decoder = Decoder(self.thread)
             self.thread.add_role(self.decoder)
-        self._started = False
 
     def _nixl_backends(self) -> tuple[str, ...]:
         """The configured NIXL backends, which must be able to register the backend's memory."""
@@ -111,7 +110,6 @@ class PushWorker:
         self.thread.start()
         if self.side_channel is not None:
             self.side_channel.start()
-        self._started = True
         return self
 
     # -- producer --------------------------------------------------------------------------------

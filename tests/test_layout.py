@@ -371,6 +371,30 @@ def test_writer_ranks_rejects_bad_tp() -> None:
         target_ranks(4, 2, 2, 1)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 6, 8])
+def test_one_tp_split_rule_for_geometries_and_plans(heads) -> None:
+    """A geometry validates, and writer_ranks accepts a TP size, for exactly the same pairs."""
+    for tp in range(1, 17):
+        geo = G.pooled(base=SRC_BASE, placement="kv_split", num_layers=1, num_kv_heads=heads,
+                       head_size=4, dtype_bytes=2, dtype="bfloat16", block_size=4, num_blocks=2,
+                       tp_size=tp)
+        try:
+            geo.validate()
+            valid = True
+        except GeometryError as e:
+            assert "TP" in str(e), e
+            valid = False
+        assert valid == (tp in valid_tps(heads)), (heads, tp)
+        for side_of in ((tp, 1, 0), (1, tp, 0)):  # as the producer's TP, then the decoder's
+            if valid:
+                writer_ranks(heads, *side_of)
+            else:
+                with pytest.raises(GeometryError, match="producer" if side_of[0] == tp else
+                                   "decoder"):
+                    writer_ranks(heads, *side_of)
+        assert geo.local_heads == G.local_heads(heads, tp) == max(1, heads // tp)
+
+
 # -- merging and flags ----------------------------------------------------------------------
 
 

@@ -6,16 +6,7 @@ import pytest
 
 from kv_push.common.rendezvous import Pairing, Registration, Rendezvous, Source, StaleEvent
 
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from fakes import FakeClock
 
 
 def src(tid: str = "t1", key: str = "req-a", blocks=(1, 2, 3), num_tokens: int = 40) -> Source:
@@ -32,7 +23,7 @@ def reg(tid: str = "t1", attempt: int = 0, rank: int = 0, peer: str | None = Non
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(1000.0)
 
 
 @pytest.fixture

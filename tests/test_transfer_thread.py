@@ -1,5 +1,7 @@
 """Tests for kv_push.common.transfer_thread over an in-memory fake transport (no NIXL).
 
+The fake transport is tests/fakes.py's, shared with the role tests.
+
 Synchronisation: ``sync(t)`` makes two ``call``s. A call runs at the top of a loop step, so when
 the second returns, the whole step that ran the first -- its notification dispatch, role ticks and
 liveness pass -- has finished. Anything put on the wire before ``sync`` has then been dispatched.
@@ -8,7 +10,6 @@ Liveness is tested deterministically with an injected clock, plus once in real t
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from kv_push.common.messages import (
     geometry_digest,
 )
 from kv_push.common.metrics import Counters
-from kv_push.common.transfer_thread import Peer, TransferThread
+from kv_push.common.transfer_thread import Peer, RoleContext, TransferThread
 from kv_push.common.transport import TransportError
+
+from fakes import FakeClock, FakeTransport, Wire
 
 GEOM = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=2, head_size=8,
                 dtype_bytes=2, dtype="bfloat16", block_size=4, num_blocks=8)
@@ -40,101 +43,7 @@ DIGEST = geometry_digest(GEOM)
 TIMEOUT = 10.0  # for waits that should end at once; only reached when something is broken
 
 
-# -- the fake transport --------------------------------------------------------------------------
-
-
-class Wire:
-    """Notification queues by agent name, shared by the fake transports of one test."""
-
-    def __init__(self) -> None:
-        self.queues: dict[str, queue.SimpleQueue] = {}
-
-    def inject(self, to: str, sender: str, data: bytes) -> None:
-        self.queues[to].put((sender, data))
-
-
-@dataclass
-class FakeHandle:
-    peer: str
-    state: str
-    released: bool = False
-
-
-class FakeTransport:
-    """``Transport`` in memory. Records which threads call it and what it was asked to do."""
-
-    def __init__(self, wire: Wire, name: str):
-        self.wire = wire
-        self.agent_name = name
-        wire.queues[name] = queue.SimpleQueue()
-        self.peers: set[str] = set()
-        self.removed: list[str] = []
-        self.registered: list[tuple] = []
-        self.closed = False
-        self.callers: set[int] = set()
-
-    def _called(self) -> None:
-        self.callers.add(threading.get_ident())
-        assert not self.closed, "transport used after close"
-
-    def register(self, regions, mem_type, dev_id) -> None:
-        self._called()
-        self.registered.append((tuple(regions), mem_type, dev_id))
-
-    def metadata(self) -> bytes:
-        self._called()
-        return b"meta:" + self.agent_name.encode()
-
-    def add_peer(self, metadata: bytes) -> str:
-        self._called()
-        if not metadata.startswith(b"meta:"):
-            raise TransportError("bad metadata")
-        name = metadata[5:].decode()
-        self.peers.add(name)
-        return name
-
-    def remove_peer(self, peer: str) -> None:
-        self._called()
-        self.removed.append(peer)
-        self.peers.discard(peer)
-
-    def write(self, peer, src, dst, src_mem, dst_mem, notif) -> FakeHandle:
-        self._called()
-        if peer not in self.peers:
-            return FakeHandle(peer, "ERR")
-        self.wire.inject(peer, self.agent_name, bytes(notif))
-        return FakeHandle(peer, "DONE")
-
-    read = write
-
-    def poll(self, handle: FakeHandle) -> str:
-        self._called()
-        return handle.state
-
-    def release(self, handle: FakeHandle) -> None:
-        self._called()
-        handle.released = True
-
-    def send_notif(self, peer: str, data: bytes) -> bool:
-        self._called()
-        if peer not in self.peers or peer not in self.wire.queues:
-            return False
-        self.wire.inject(peer, self.agent_name, bytes(data))
-        return True
-
-    def get_notifs(self) -> list[tuple[str, bytes]]:
-        self._called()
-        out = []
-        q = self.wire.queues[self.agent_name]
-        while True:
-            try:
-                out.append(q.get_nowait())
-            except queue.Empty:
-                return out
-
-    def close(self) -> None:
-        self._called()
-        self.closed = True
+# -- the fake transport (tests/fakes.py) ------------------------------------------------------
 
 
 def test_fake_transport_pair():
@@ -148,6 +57,63 @@ def test_fake_transport_pair():
     assert a.poll(h) == "DONE" and b.get_notifs() == [("A", b"n")]
     a.remove_peer("B")
     assert a.poll(a.write("B", None, None, "DRAM", "DRAM", b"")) == "ERR"
+    # the knobs the role tests use
+    a.add_peer(b.metadata())
+    a.hold_writes = True
+    held = a.write("B", None, None, "DRAM", "DRAM", b"late")
+    assert a.poll(held) == "PROC" and b.get_notifs() == [] and a.in_flight() == [held]
+    a.finish(held)
+    assert a.poll(held) == "DONE" and b.get_notifs() == [("A", b"late")]
+    a.fail_posts.append("no route")
+    bad = a.write("B", None, None, "DRAM", "DRAM", b"lost")
+    assert a.poll(bad) == "ERR" and a.failure_reason(bad) == "no route" and b.get_notifs() == []
+
+
+# -- the context roles see ------------------------------------------------------------------------
+
+
+def test_unstarted_thread_is_a_role_context_driven_by_step():
+    """A role needs only ``RoleContext``; the thread provides it without running (``step``)."""
+    wire = Wire()
+    ta, b = FakeTransport(wire, "A"), FakeTransport(wire, "B")
+    clock = FakeClock(5.0)
+    role = RecordingRole()
+    t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM,
+                       config=PushConfig(heartbeat_interval_s=30.0), clock=clock)
+    t.add_role(role)
+    ctx: RoleContext = t
+    members = [m for m in dir(RoleContext) if not m.startswith("_")]
+    assert {"send", "add_peer", "peer", "peer_lost", "write", "poll", "release",
+            "failure_reason", "submit", "metadata", "agent_name"} <= set(members)
+    assert all(hasattr(t, m) for m in members + list(RoleContext.__annotations__))
+    assert (ctx.agent_name, ctx.metadata(), ctx.clock()) == ("A", b"meta:A", 5.0)
+    peer = ctx.add_peer(b.metadata(), engine_id="B", tp_rank=0, geometry=GEOM, digest=DIGEST)
+    b.add_peer(b"meta:A")
+    assert ctx.peer("B") is peer and ctx.peer("C") is None and peer.last_heard == 5.0
+    assert ctx.send("B", reg_msg(engine="A"))
+    assert [Codec().decode(d) for _, d in b.get_notifs()] == [reg_msg(engine="A")]
+    h = ctx.write("B", None, None, "DRAM", "DRAM", ctx.codec.encode(reg_msg("w")))
+    assert ctx.poll(h) == "DONE"
+    ctx.release(h)
+    assert h.released
+    ta.fail_posts.append("no route")
+    assert ctx.failure_reason(ctx.write("B", None, None, "DRAM", "DRAM", b"")) == "no route"
+    # work submitted (from any thread) and notifications run when the test steps the thread
+    ran = []
+    ctx.submit(lambda: ran.append(threading.get_ident()))
+    b.send_notif("A", Codec().encode(reg_msg("t9", engine="B")))
+    assert ran == [] and role.messages == []
+    t.step()
+    assert ran == [threading.get_ident()]
+    assert role.messages == [("B", reg_msg("t9", engine="B"))]
+    assert role.ticks == 1
+    ctx.peer_lost("B", "lifeline closed")
+    assert ctx.peer("B") is not None  # dropped on the thread, at its next step
+    t.step()
+    assert ctx.peer("B") is None and [p.agent_name for p in role.dead] == ["B"]
+    assert t.counters.get("peers_dead") == 1 and ta.removed == ["B"]
+    t.close()
+    assert ta.closed and role.closed == 1
 
 
 # -- roles and helpers ---------------------------------------------------------------------------
@@ -194,14 +160,6 @@ class RecordingRole:
 
     def close(self) -> None:
         self.closed += 1
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def sync(t: TransferThread) -> None:

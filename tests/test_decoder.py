@@ -1,0 +1,502 @@
+"""Tests for kv_push.common.decoder, in-process: no NIXL, no threads.
+
+The decoder runs on a ``TransferThread`` that is never started (``fakes.Node``): the test hands it
+``expect``/``cancel`` through ``submit`` (as ``PushWorker`` does) and steps the thread. Its
+handshakes run on an ``InlineExecutor`` (at once) or a ``ManualExecutor`` (when the test says),
+through a handshake function that stands in for the side channel. Producer ranks are
+``fakes.RawEnd``s driven by hand; the last section puts a real ``Producer`` on the other side.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_push.common import geometry as G
+from kv_push.common.decoder import Decoder, Outcome
+from kv_push.common.messages import (
+    COMPAT_HASH,
+    Cancel,
+    CancelAck,
+    Goodbye,
+    MessageRejected,
+    Register,
+    TransferFailed,
+    Welcome,
+    WriteDone,
+    geometry_digest,
+)
+from kv_push.common.producer import Producer
+from kv_push.common.side_channel import HandshakeError
+
+from fakes import FakeClock, InlineExecutor, ManualExecutor, Node, RawEnd, Wire, role_config, settle
+
+SHAPE = dict(num_layers=2, num_kv_heads=2, head_size=8, dtype_bytes=2, dtype="bfloat16",
+             block_size=4, num_blocks=8)
+P_BASE, D_BASE = 1 << 32, 1 << 36
+HOST, PORT = "10.0.0.7", 7000  # producer rank r listens on PORT + r
+TIMEOUT = 60.0
+
+
+def p_geom(tp: int = 1, rank: int = 0, **kw) -> G.KVGeometry:
+    return G.pooled(base=P_BASE + (rank << 24), placement="kv_split", tp_size=tp, tp_rank=rank,
+                    **{**SHAPE, **kw})
+
+
+def d_geom(tp: int = 1, rank: int = 0, **kw) -> G.KVGeometry:
+    return G.pooled(base=D_BASE, placement="kv_split", tp_size=tp, tp_rank=rank, **{**SHAPE, **kw})
+
+
+class Bench:
+    """One decoder worker (D rank ``d_rank`` of ``d_tp``, agent "D") and the ranks of one
+    producer engine "P" (TP ``p_tp``), hand-driven ``RawEnd``s named P<rank>."""
+
+    def __init__(self, *, p_tp: int = 1, d_tp: int = 1, d_rank: int = 0, manual: bool = False,
+                 **config):
+        self.wire, self.clock = Wire(), FakeClock()
+        self.d = Node(self.wire, self.clock, "D", d_geom(d_tp, d_rank),
+                      role_config(transfer_timeout_s=TIMEOUT, **config))
+        self.executor = ManualExecutor() if manual else InlineExecutor()
+        self.decoder = Decoder(self.d.thread, handshake_fn=self.handshake, executor=self.executor)
+        self.d.thread.add_role(self.decoder)
+        self.p_tp, self.d_tp, self.d_rank = p_tp, d_tp, d_rank
+        self.p = {r: RawEnd(self.wire, f"P{r}") for r in range(p_tp)}
+        self.refuse: dict[int, str] = {}  # port -> why its handshake fails
+        self.welcome_changes: dict[int, dict] = {}  # rank -> Welcome fields to change
+        self.handshakes: list[tuple[str, int]] = []
+        self.hellos: list = []
+        self.lifelines: dict[str, object] = {}  # producer agent -> "its side channel closed"
+        self.d.step()
+
+    # the side channel, in-process
+    def handshake(self, host, port, hello, codec, timeout, on_closed=None) -> Welcome:
+        assert codec is self.d.thread.codec and timeout == self.d.thread.config.handshake_timeout_s
+        self.handshakes.append((host, port))
+        self.hellos.append(hello)
+        if port in self.refuse:
+            raise HandshakeError(self.refuse[port])
+        rank = port - PORT
+        end = self.p[rank]
+        end.transport.add_peer(hello.agent_metadata)  # what accept_hello does on P
+        fields = dict(engine_id="P", agent_name=end.name, agent_metadata=end.transport.metadata(),
+                      geometry=p_geom(self.p_tp, rank), compat_hash=COMPAT_HASH,
+                      side_channel_ports=tuple(PORT + r for r in range(self.p_tp)))
+        welcome = Welcome(**{**fields, **self.welcome_changes.get(rank, {})})
+        if on_closed is not None:
+            self.lifelines[end.name] = lambda: on_closed(welcome)
+        return welcome
+
+    # the engine
+    def expect(self, key: str = "req-1", tid: str = "t1", attempt: int = 0, blocks=(2, 3),
+               first_token: int = 0, num_tokens: int = 8) -> None:
+        self.d.thread.submit(lambda: self.decoder.expect(key, tid, attempt, (HOST, PORT),
+                                                         tuple(blocks), first_token, num_tokens))
+        self.d.step()
+
+    def cancel(self, key: str = "req-1") -> None:
+        self.d.thread.submit(lambda: self.decoder.cancel(key))
+        self.d.step()
+
+    def outcomes(self) -> list[Outcome]:
+        out = []
+        while not self.decoder.outcomes.empty():
+            out.append(self.decoder.outcomes.get_nowait())
+        return out
+
+    # the producer ranks
+    def got(self, rank: int = 0) -> list:
+        return self.p[rank].received()
+
+    def send(self, rank: int, msg) -> None:
+        self.p[rank].send("D", msg)
+        self.d.step()
+
+    def write_done(self, rank: int = 0, tid: str = "t1", attempt: int = 0, chunk: int = 0,
+                   chunks: int = 1, **kw) -> None:
+        fields = dict(transfer_id=tid, attempt=attempt, engine_id="P", tp_rank=rank, num_bytes=64,
+                      chunk=chunk, chunks=chunks)
+        self.send(rank, WriteDone(**{**fields, **kw}))
+
+    def ack(self, rank: int = 0, tid: str = "t1", attempt: int = 0) -> None:
+        self.send(rank, CancelAck(transfer_id=tid, attempt=attempt, engine_id="P", tp_rank=rank))
+
+    def registration(self, tid="t1", attempt=0, blocks=(2, 3), first_token=0, num_tokens=8):
+        return Register(transfer_id=tid, attempt=attempt, engine_id="D", tp_rank=self.d_rank,
+                        block_ids=tuple(blocks), first_token=first_token, num_tokens=num_tokens,
+                        geometry_digest=geometry_digest(d_geom(self.d_tp, self.d_rank)))
+
+    def cancel_msg(self, tid="t1", attempt=0, reason="aborted"):
+        return Cancel(transfer_id=tid, attempt=attempt, engine_id="D", tp_rank=self.d_rank,
+                      reason=reason)
+
+    def wants(self) -> int:
+        return self.decoder.live()["wants"]
+
+
+# -- registration and completion -----------------------------------------------------------------
+
+
+def test_expect_handshakes_registers_and_reports_received():
+    b = Bench()
+    b.expect()
+    assert b.handshakes == [(HOST, PORT)]
+    hello = b.hellos[0]
+    assert (hello.engine_id, hello.agent_name, hello.agent_metadata, hello.geometry,
+            hello.compat_hash) == ("D", "D", b"meta:D", d_geom(), COMPAT_HASH)
+    assert b.got() == [b.registration()]
+    assert b.d.count("handshakes") == 1 and b.d.count("registrations_sent") == 1
+    assert b.outcomes() == []
+    b.clock.advance(0.5)
+    b.write_done()
+    assert b.outcomes() == [Outcome("req-1", "received")]
+    assert b.d.count("transfers_done") == 1 and b.d.count("transfer_seconds") == 0.5
+    assert b.wants() == 0
+    # the next request to the same producer reuses the connection
+    b.expect("req-2", "t2", blocks=(4, 5))
+    assert len(b.handshakes) == 1
+    assert b.got() == [b.registration("t2", blocks=(4, 5))]
+
+
+def test_nothing_to_transfer_is_received_once_registered():
+    b = Bench()
+    b.expect(first_token=8, num_tokens=8, blocks=())  # the whole prompt was cached on D
+    assert [m.num_tokens - m.first_token for m in b.got()] == [0]
+    assert b.outcomes() == [Outcome("req-1", "received")]
+
+
+def test_one_notice_per_writer_rank():
+    b = Bench(p_tp=2)  # two producer ranks each hold one of D's two heads
+    b.expect()
+    assert b.handshakes == [(HOST, PORT), (HOST, PORT + 1)]
+    assert b.got(0) == [b.registration()] and b.got(1) == [b.registration()]
+    b.write_done(0)
+    b.write_done(0)  # again: still only one rank of two
+    assert b.outcomes() == []
+    b.write_done(1)
+    assert b.outcomes() == [Outcome("req-1", "received")]
+
+
+def test_one_notice_per_chunk():
+    b = Bench()
+    b.expect()
+    for chunk in (0, 2, 2):
+        b.write_done(chunk=chunk, chunks=3)
+    assert b.outcomes() == []
+    b.write_done(chunk=1, chunks=3)
+    assert b.outcomes() == [Outcome("req-1", "received")]
+
+
+@pytest.mark.parametrize("d_rank,told,writers", [(0, [0, 1], [0]), (1, [1], [1])])
+def test_rank_zero_registers_with_every_producer_rank_others_with_their_writers(
+        d_rank, told, writers):
+    b = Bench(p_tp=2, d_tp=2, d_rank=d_rank)  # P rank r writes only D rank r's head
+    b.expect()
+    assert b.handshakes == [(HOST, PORT), (HOST, PORT + 1)]  # rank 0 first: it names the TP
+    assert [r for r in range(2) if b.got(r) == [b.registration()]] == told
+    for r in writers:
+        b.write_done(r)
+    assert b.outcomes() == [Outcome("req-1", "received")]
+
+
+def test_a_notice_from_a_producer_rank_that_does_not_write_to_us_is_rejected():
+    b = Bench(p_tp=2, d_tp=2, d_rank=0)  # told P1 (rank 0 tells all) but only P0 writes here
+    b.expect()
+    b.write_done(1)
+    assert b.d.count("rejected", label="unexpected") == 1
+    assert b.outcomes() == []
+    b.write_done(0)
+    assert b.outcomes() == [Outcome("req-1", "received")]
+
+
+@pytest.mark.parametrize("sender,claims", [(0, 0), (0, 1)])
+def test_a_notice_from_a_producer_we_did_not_tell_is_spoofed(sender, claims):
+    b = Bench(p_tp=2, d_tp=2, d_rank=1)  # told only P1; P0 is known from the first handshake
+    b.expect()
+    b.write_done(sender, tp_rank=claims)
+    assert b.d.count("rejected", label="spoofed") == 1
+    assert b.outcomes() == []
+
+
+def test_notices_for_another_attempt_or_transfer_are_stale():
+    b = Bench()
+    b.expect()
+    b.write_done(attempt=1)
+    b.write_done(tid="t-unknown")
+    b.send(0, TransferFailed(transfer_id="t1", attempt=3, engine_id="P", tp_rank=0, reason="x"))
+    assert b.d.count("stale") == 3
+    assert b.outcomes() == []
+    b.write_done()
+    assert b.outcomes() == [Outcome("req-1", "received")]
+
+
+# -- cancel and fencing --------------------------------------------------------------------------
+
+
+def test_cancel_fences_until_every_told_producer_acks():
+    b = Bench(p_tp=2)
+    b.expect()
+    b.got(0), b.got(1)  # the registrations
+    b.write_done(1)  # rank 1 already wrote: nothing to fence there
+    b.cancel()
+    assert b.got(0) == [b.cancel_msg()] and b.got(1) == []
+    assert b.d.count("cancels") == 1
+    assert b.outcomes() == []  # P0 may still be writing into the blocks
+    b.ack(0)
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
+    assert b.wants() == 0
+
+
+def test_a_cancel_after_the_outcome_does_nothing():
+    b = Bench()
+    b.expect()
+    b.write_done()
+    b.cancel()
+    assert b.outcomes() == [Outcome("req-1", "received")]
+    assert [type(m) for m in b.got()] == [Register] and b.d.count("cancels") == 0
+
+
+def test_cancel_while_connecting_releases_at_once_then_a_release_only_registration():
+    b = Bench(manual=True)
+    b.expect()
+    assert b.got() == [] and len(b.executor.jobs) == 1  # the handshake is in progress
+    b.cancel()
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]  # nothing was advertised
+    b.executor.run()
+    b.d.step()
+    # the producer is told nothing is wanted, so it frees the prefill now, not at its time-out
+    assert b.got() == [b.registration(blocks=(), first_token=0, num_tokens=0)]
+    assert b.outcomes() == []  # exactly one outcome per expect
+    assert b.wants() == 0
+
+
+# -- handshakes ----------------------------------------------------------------------------------
+
+
+def test_a_failed_handshake_fails_the_request_and_the_next_one_retries():
+    b = Bench()
+    b.refuse[PORT] = "connection refused"
+    b.expect()
+    assert b.outcomes() == [Outcome("req-1", "failed",
+                                    "handshake with producer rank 0 failed: connection refused")]
+    assert b.d.count("handshake_failures") == 1 and b.d.count("transfers_failed") == 1
+    assert b.wants() == 0
+    del b.refuse[PORT]
+    b.expect("req-2", "t2")
+    assert len(b.handshakes) == 2
+    assert b.got() == [b.registration("t2")]
+
+
+def test_all_requests_waiting_for_a_handshake_fail_with_it():
+    b = Bench(manual=True)
+    b.expect("req-1", "t1")
+    b.expect("req-2", "t2")
+    assert len(b.executor.jobs) == 1  # one handshake per producer rank, shared
+    b.refuse[PORT] = "timed out"
+    b.executor.run()
+    b.d.step()
+    assert sorted(o.key for o in b.outcomes() if o.kind == "failed") == ["req-1", "req-2"]
+
+
+@pytest.mark.parametrize("rank,change,reason", [
+    (0, dict(compat_hash="0" * 16), "incompatible"),
+    (0, dict(geometry=p_geom(head_size=16)), "bad_layout"),
+    (0, dict(geometry=p_geom(2, 1)), "invalid"),  # the port for rank 0 answered as rank 1
+    (1, dict(engine_id="Q"), "conflict"),  # rank 1's port is another engine than rank 0's
+])
+def test_a_welcome_that_does_not_fit_is_refused(rank, change, reason):
+    b = Bench(p_tp=2)
+    b.welcome_changes[rank] = change
+    b.expect()
+    assert b.d.count("rejected", label=reason) == 1
+    (outcome,) = b.outcomes()
+    assert outcome.kind == "failed" and f"producer rank {rank} failed" in outcome.reason
+    assert b.d.count("handshake_failures") == 1
+    assert b.got(0) == [] and b.got(1) == []  # nobody was told anything
+    assert b.wants() == 0
+
+
+# -- failures, deaths and time-outs --------------------------------------------------------------
+
+
+def test_a_producer_failure_fences_the_other_writers_before_failing():
+    b = Bench(p_tp=2)
+    b.expect()
+    b.got(0), b.got(1)  # the registrations
+    b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
+    assert b.got(1) == [b.cancel_msg(reason="producer rank 0: boom")]
+    assert b.got(0) == []  # it failed: it writes nothing more
+    assert b.outcomes() == []
+    b.ack(1)
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: boom")]
+    assert b.d.count("transfers_failed") == 1 and b.wants() == 0
+
+
+def test_a_producer_failure_fails_the_request():
+    b = Bench()
+    b.expect()
+    b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
+    assert set(b.outcomes()) == {Outcome("req-1", "failed", "producer rank 0: boom")}
+    assert b.wants() == 0
+
+
+@pytest.mark.xfail(strict=True, reason="issue 9 item 2: a TransferFailed from the last writer "
+                                       "emits the outcome twice")
+def test_a_producer_failure_emits_exactly_one_outcome():
+    b = Bench()
+    b.expect()
+    b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: boom")]
+
+
+@pytest.mark.parametrize("how", ["lifeline", "goodbye"])
+def test_producer_death_fails_a_registered_request(how):
+    b = Bench()
+    b.expect()
+    if how == "lifeline":
+        b.lifelines["P0"]()  # the producer's side channel closed (from the lifeline thread)
+        b.d.step()
+    else:
+        b.send(0, Goodbye(engine_id="P", tp_rank=0))
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is dead")]
+    assert b.d.thread.peer("P0") is None and b.d.transport.removed == ["P0"]
+    assert b.wants() == 0
+    b.expect("req-2", "t2")  # a new request connects afresh
+    assert len(b.handshakes) == 2
+
+
+def test_producer_death_while_fencing_releases():
+    b = Bench()
+    b.expect()
+    b.cancel()
+    assert b.outcomes() == []
+    b.lifelines["P0"]()
+    b.d.step()
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
+
+
+def test_a_request_times_out_but_stays_fenced_until_the_producer_acks():
+    b = Bench()
+    b.expect()
+    b.got()  # the registration
+    b.clock.advance(TIMEOUT - 1)
+    b.d.step()
+    assert b.outcomes() == [] and b.d.count("expired") == 0
+    b.clock.advance(2)
+    b.d.step()
+    assert b.d.count("expired") == 1
+    assert [type(m) for m in b.got()] == [Cancel]
+    assert b.outcomes() == []
+    b.ack()
+    assert b.outcomes() == [Outcome("req-1", "failed", f"no KV within {TIMEOUT:.0f}s")]
+
+
+def test_a_request_whose_handshake_never_ends_times_out_at_once():
+    b = Bench(manual=True)
+    b.expect()
+    b.clock.advance(TIMEOUT + 1)
+    b.d.step()
+    assert b.outcomes() == [Outcome("req-1", "failed", f"no KV within {TIMEOUT:.0f}s")]
+    assert b.wants() == 0
+
+
+# -- with a real producer ------------------------------------------------------------------------
+
+
+class Pair:
+    """A real producer worker "P" and a real decoder worker "D" (TP 1 each) in-process, the
+    side channel replaced by a direct call of ``accept_hello`` (a refusal becomes the
+    ``HandshakeError`` the side channel raises)."""
+
+    def __init__(self, *, manual: bool = False, d_geometry: G.KVGeometry | None = None,
+                 **config):
+        self.wire, self.clock = Wire(), FakeClock()
+        cfg = role_config(**config)
+        self.p = Node(self.wire, self.clock, "P", p_geom(), cfg)
+        self.d = Node(self.wire, self.clock, "D", d_geometry or d_geom(), cfg)
+        self.released: list[str] = []
+        self.producer = Producer(self.p.thread, on_released=self.released.append,
+                                 side_channel_ports=(PORT,))
+        self.executor = ManualExecutor() if manual else InlineExecutor()
+        self.decoder = Decoder(self.d.thread, handshake_fn=self.handshake, executor=self.executor)
+        self.p.thread.add_role(self.producer)
+        self.d.thread.add_role(self.decoder)
+
+    def handshake(self, host, port, hello, codec, timeout, on_closed=None) -> Welcome:
+        try:
+            return self.producer.accept_hello(hello)
+        except MessageRejected as e:
+            raise HandshakeError(f"{host}:{port} refused the handshake: {e}") from None
+
+    def settle(self) -> None:
+        settle(self.p, self.d, wire=self.wire)
+
+    def expect(self, key="d-1", tid="t1", blocks=(2, 3)) -> None:
+        self.d.thread.submit(lambda: self.decoder.expect(key, tid, 0, (HOST, PORT), blocks, 0, 8))
+
+    def prefill(self, key="p-1", tid="t1") -> None:
+        self.p.thread.submit(lambda: self.producer.prefill_done(key, tid, (0, 1), 8))
+
+    def outcomes(self) -> list[Outcome]:
+        out = []
+        while not self.decoder.outcomes.empty():
+            out.append(self.decoder.outcomes.get_nowait())
+        return out
+
+    def idle(self) -> bool:
+        return (all(v == 0 for v in self.producer.live().values())
+                and self.decoder.live()["wants"] == 0)
+
+
+@pytest.mark.parametrize("decoder_first", [True, False])
+def test_with_a_real_producer_either_side_may_come_first(decoder_first):
+    pair = Pair()
+    first, second = (pair.expect, pair.prefill) if decoder_first else (pair.prefill, pair.expect)
+    first()
+    pair.settle()
+    assert pair.outcomes() == [] and pair.released == []
+    second()
+    pair.settle()
+    assert pair.outcomes() == [Outcome("d-1", "received")]
+    assert pair.released == ["p-1"] and pair.idle()
+    label = "registrations_early" if decoder_first else "registrations_late"
+    assert pair.p.count(label) == 1 and pair.p.count("transfers_done") == 1
+
+
+def test_with_a_real_producer_an_abort_mid_write_waits_for_the_write():
+    pair = Pair()
+    pair.p.transport.hold_writes = True
+    pair.expect()
+    pair.prefill()
+    pair.settle()
+    (w,) = pair.p.transport.writes
+    pair.d.thread.submit(lambda: pair.decoder.cancel("d-1"))
+    pair.settle()
+    assert pair.outcomes() == [] and pair.released == []  # the WRITE may still land
+    pair.p.transport.finish(w)
+    pair.settle()
+    assert pair.outcomes() == [Outcome("d-1", "released", "aborted")]
+    assert pair.released == ["p-1"] and pair.idle()
+
+
+def test_with_a_real_producer_an_abort_before_the_handshake_frees_the_prefill_at_once():
+    pair = Pair(manual=True)
+    pair.prefill()
+    pair.expect()
+    pair.settle()
+    pair.d.thread.submit(lambda: pair.decoder.cancel("d-1"))
+    pair.settle()
+    assert pair.outcomes() == [Outcome("d-1", "released", "aborted")]
+    assert pair.released == []
+    pair.executor.run()
+    pair.settle()
+    assert pair.released == ["p-1"] and pair.idle()  # not after the rendezvous time-out
+    assert pair.p.transport.writes == [] and pair.outcomes() == []
+
+
+def test_with_a_real_producer_a_refused_handshake_fails_the_request():
+    pair = Pair(d_geometry=d_geom(head_size=16))  # D serves another model
+    pair.expect()
+    pair.settle()
+    (outcome,) = pair.outcomes()
+    assert outcome.kind == "failed" and "refused the handshake" in outcome.reason
+    assert "head_size differs" in outcome.reason
+    assert pair.p.count("handshakes") == 0 and pair.p.thread.peer("D") is None

@@ -1,0 +1,345 @@
+"""Tests for kv_push.common.side_channel over real local sockets (no NIXL).
+
+The two ends are tested against each other (``handshake`` against ``SideChannelServer``) and each
+against a hand-driven socket, which can misbehave (say nothing, send junk, hang up) and can keep
+or close the connection when the test says -- that is how the lifeline is exercised. Waits have a
+generous bound that is only reached when something is broken; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from kv_push.common import geometry as G
+from kv_push.common.decoder import Decoder, Outcome
+from kv_push.common.messages import (
+    COMPAT_HASH,
+    MAX_MESSAGE_BYTES,
+    Codec,
+    Hello,
+    MessageRejected,
+    Refused,
+    Welcome,
+)
+from kv_push.common.producer import Producer
+from kv_push.common.side_channel import (
+    HandshakeError,
+    SideChannelServer,
+    handshake,
+    recv_frame,
+    send_frame,
+)
+
+from conftest import free_port
+from fakes import FakeClock, InlineExecutor, Node, Wire, role_config
+
+WAIT = 10.0
+GEOM = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=2, head_size=8,
+                dtype_bytes=2, dtype="bfloat16", block_size=4, num_blocks=8)
+HELLO = Hello(engine_id="D", agent_name="D0", agent_metadata=b"meta:D0", geometry=GEOM,
+              compat_hash=COMPAT_HASH)
+WELCOME = Welcome(engine_id="P", agent_name="P0", agent_metadata=b"meta:P0", geometry=GEOM,
+                  compat_hash=COMPAT_HASH, side_channel_ports=(5600,))
+
+
+class Server:
+    """A ``SideChannelServer`` on an ephemeral port that records what it was told."""
+
+    def __init__(self, on_hello=None, *, secret: bytes | None = None, lifeline: bool = False,
+                 timeout: float = WAIT):
+        self.hellos: list[Hello] = []
+        self.rejects: list[tuple[str, str]] = []
+        self.closed: queue.SimpleQueue = queue.SimpleQueue()
+
+        def answer(hello: Hello) -> Welcome:
+            self.hellos.append(hello)
+            return WELCOME
+
+        self.srv = SideChannelServer(
+            "127.0.0.1", 0, Codec(secret), on_hello or answer,
+            on_reject=lambda reason, detail: self.rejects.append((reason, detail)),
+            timeout=timeout, on_closed=self.closed.put if lifeline else None).start()
+        self.port = self.srv.port
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def make(*args, **kw) -> Server:
+        s = Server(*args, **kw)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+class RawListener:
+    """A listening socket the test drives by hand: ``accept()`` hands over each connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.sock.settimeout(WAIT)
+
+    def accept(self) -> socket.socket:
+        conn, _ = self.sock.accept()
+        conn.settimeout(WAIT)
+        return conn
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def listener():
+    lst = RawListener()
+    yield lst
+    lst.close()
+
+
+def wait_until(pred, step=lambda: None) -> bool:
+    """Call ``step`` and test ``pred`` every 10 ms until it holds or ``WAIT`` passes."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        step()
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def in_thread(fn, *args, **kw) -> queue.SimpleQueue:
+    """Run ``fn`` on a thread; the queue gets ("ok", result) or ("err", exception)."""
+    out: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            out.put(("ok", fn(*args, **kw)))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.put(("err", e))
+
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
+# -- frames --------------------------------------------------------------------------------------
+
+
+def test_frames_round_trip_and_oversize_is_refused():
+    a, b = socket.socketpair()
+    with a, b:
+        send_frame(a, Codec(b"k"), HELLO)
+        assert recv_frame(b, Codec(b"k")) == HELLO
+        a.sendall(struct.pack("!I", MAX_MESSAGE_BYTES + 1))
+        with pytest.raises(MessageRejected) as e:
+            recv_frame(b, Codec())
+        assert e.value.reason == "oversize"
+        a.sendall(struct.pack("!I", 10) + b"abc")
+        a.close()
+        with pytest.raises(HandshakeError, match="mid-frame"):
+            recv_frame(b, Codec())
+
+
+# -- the handshake against the server ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_handshake_is_welcomed(server, secret):
+    s = server(secret=secret)
+    welcome = handshake("127.0.0.1", s.port, HELLO, Codec(secret), WAIT)
+    assert welcome == WELCOME
+    assert s.hellos == [HELLO] and s.rejects == []
+
+
+def test_a_refusal_reaches_the_decoder_with_its_reason(server):
+    def refuse(hello):
+        raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: head_size differs")
+
+    s = server(refuse, lifeline=True)
+    with pytest.raises(HandshakeError) as e:
+        handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT, on_closed=lambda w: None)
+    assert "refused the handshake" in str(e.value) and "head_size differs" in str(e.value)
+    assert [r for r, _ in s.rejects] == ["bad_layout"]
+    assert "decoder D: head_size differs" in s.rejects[0][1]
+
+
+def test_an_error_while_answering_is_a_refusal_not_a_hang(server):
+    def broken(hello):
+        raise KeyError("no such thing")
+
+    s = server(broken)
+    with pytest.raises(HandshakeError, match="refused the handshake: KeyError"):
+        handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)
+
+
+@pytest.mark.parametrize("server_secret,client_secret,reason", [
+    (b"right", b"wrong", "bad_mac"),
+    (b"right", None, "unauthenticated"),
+])
+def test_a_handshake_with_the_wrong_secret_is_refused(server, server_secret, client_secret,
+                                                      reason):
+    s = server(secret=server_secret)
+    with pytest.raises(HandshakeError):
+        handshake("127.0.0.1", s.port, HELLO, Codec(client_secret), WAIT)
+    assert [r for r, _ in s.rejects] == [reason]
+    assert s.hellos == []  # never reached the producer
+
+
+def test_the_server_refuses_anything_but_hello(server):
+    s = server()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        send_frame(c, Codec(), WELCOME)
+        reply = recv_frame(c, Codec())
+    assert isinstance(reply, Refused) and "Welcome on side channel" in reply.reason
+    assert [r for r, _ in s.rejects] == ["unexpected"] and s.hellos == []
+
+
+def test_the_server_refuses_an_oversize_frame(server):
+    s = server()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        c.sendall(struct.pack("!I", MAX_MESSAGE_BYTES + 1))
+        reply = recv_frame(c, Codec())
+    assert isinstance(reply, Refused)
+    assert [r for r, _ in s.rejects] == ["oversize"]
+
+
+def test_a_client_that_hangs_up_mid_frame_is_counted(server):
+    s = server()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        c.sendall(struct.pack("!I", 100) + b"partial")
+    assert wait_until(lambda: s.rejects)
+    assert [r for r, _ in s.rejects] == ["handshake_io"] and s.hellos == []
+
+
+def test_a_port_in_use_is_a_clear_error(server):
+    s = server()
+    with pytest.raises(HandshakeError, match=f"cannot listen on 127.0.0.1:{s.port}"):
+        SideChannelServer("127.0.0.1", s.port, Codec(), lambda h: WELCOME,
+                          on_reject=lambda r, d: None, timeout=1.0)
+
+
+# -- the handshake against a misbehaving producer ------------------------------------------------
+
+
+def test_nobody_listening_is_a_handshake_error():
+    port = free_port()
+    with pytest.raises(HandshakeError, match=f"side channel 127.0.0.1:{port}"):
+        handshake("127.0.0.1", port, HELLO, Codec(), WAIT)
+
+
+def test_a_producer_that_never_answers_times_out(listener):
+    result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), 0.2)
+    conn = listener.accept()
+    with conn:
+        assert recv_frame(conn, Codec()) == HELLO
+        kind, value = result.get(timeout=WAIT)  # we never answer
+    assert kind == "err" and isinstance(value, HandshakeError)
+
+
+@pytest.mark.parametrize("reply,match", [
+    (lambda c: send_frame(c, Codec(), HELLO), "answered Hello, not Welcome"),
+    (lambda c: c.sendall(struct.pack("!I", 4) + b"junk"), "bad reply"),
+    (lambda c: c.sendall(struct.pack("!I", 40) + b"cut"), "mid-frame"),
+])
+def test_a_bad_answer_is_a_handshake_error(listener, reply, match):
+    result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), WAIT)
+    with listener.accept() as conn:
+        recv_frame(conn, Codec())
+        reply(conn)
+    kind, value = result.get(timeout=WAIT)
+    assert kind == "err" and isinstance(value, HandshakeError)
+    assert match in str(value)
+
+
+# -- the lifeline --------------------------------------------------------------------------------
+
+
+def test_the_decoder_hears_when_the_producer_closes_its_side_channel(listener):
+    closed: queue.SimpleQueue = queue.SimpleQueue()
+    result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), WAIT,
+                       on_closed=closed.put)
+    conn = listener.accept()
+    recv_frame(conn, Codec())
+    send_frame(conn, Codec(), WELCOME)
+    assert result.get(timeout=WAIT) == ("ok", WELCOME)
+    with pytest.raises(queue.Empty):
+        closed.get(timeout=0.2)  # the connection stays open: the producer is alive
+    conn.close()  # what the kernel does when the producer process dies
+    assert closed.get(timeout=WAIT) == WELCOME
+
+
+def test_the_producer_hears_when_the_decoder_closes_its_side_channel(server):
+    s = server(lifeline=True)
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        send_frame(c, Codec(), HELLO)
+        assert recv_frame(c, Codec()) == WELCOME
+        with pytest.raises(queue.Empty):
+            s.closed.get(timeout=0.2)  # still connected
+    assert s.closed.get(timeout=WAIT) == HELLO
+
+
+def test_without_a_lifeline_the_handshake_closes_the_connection(server):
+    s = server(lifeline=True)
+    handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)  # no on_closed: closes at once
+    assert s.closed.get(timeout=WAIT) == HELLO
+
+
+def test_a_refused_handshake_holds_no_lifeline(server):
+    def refuse(hello):
+        raise MessageRejected("incompatible", "old version")
+
+    s = server(refuse, lifeline=True)
+    closed: queue.SimpleQueue = queue.SimpleQueue()
+    with pytest.raises(HandshakeError):
+        handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT, on_closed=closed.put)
+    with pytest.raises(queue.Empty):
+        s.closed.get(timeout=0.2)
+    assert closed.empty()
+
+
+# -- the roles over a real side channel ----------------------------------------------------------
+
+
+def test_roles_handshake_over_the_side_channel_and_the_lifeline_reaches_the_decoder(listener):
+    """A real decoder dials a hand-held socket answered by a real producer's ``accept_hello``;
+    closing that socket (the producer "dies") fails the decoder's request."""
+    wire, clock = Wire(), FakeClock()
+    p = Node(wire, clock, "P", GEOM, role_config())
+    d = Node(wire, clock, "D", GEOM, role_config())
+    producer = Producer(p.thread, on_released=lambda key: None, side_channel_ports=(listener.port,))
+    p.thread.add_role(producer)
+    decoder = Decoder(d.thread, executor=InlineExecutor())  # the real side_channel.handshake
+    d.thread.add_role(decoder)
+
+    def serve() -> socket.socket:
+        conn = listener.accept()
+        send_frame(conn, Codec(), producer.accept_hello(recv_frame(conn, Codec())))
+        return conn
+
+    held = in_thread(serve)
+    d.thread.submit(lambda: decoder.expect("req-1", "t1", 0, ("127.0.0.1", listener.port),
+                                           (2, 3), 0, 8))
+    d.step()  # dials, is welcomed, registers
+    kind, conn = held.get(timeout=WAIT)
+    assert kind == "ok"
+    assert p.thread.peer("D") is not None and d.thread.peer("P") is not None
+    assert d.count("registrations_sent") == 1 and p.count("handshakes") == 1
+    assert decoder.outcomes.empty()
+    conn.close()
+    assert wait_until(lambda: not decoder.outcomes.empty(), step=d.step)
+    assert decoder.outcomes.get_nowait() == Outcome("req-1", "failed",
+                                                    "producer P rank 0 is dead")
+    assert d.thread.peer("P") is None and d.count("peers_dead") == 1
+    decoder.close()
