@@ -44,6 +44,7 @@ from .messages import (
     WriteDone,
     geometry_digest,
 )
+from .nixl_compat import check_peer_nixl, local_nixl_version
 from .side_channel import HandshakeError, handshake
 from .transfer_thread import Peer, TransferThread
 
@@ -115,7 +116,8 @@ class Decoder:
         if self._hello is None:
             self._hello = Hello(engine_id=self.t.engine_id, agent_name=self.t.transport.agent_name,
                                 agent_metadata=self.t.transport.metadata(),
-                                geometry=self.t.geometry, compat_hash=COMPAT_HASH)
+                                geometry=self.t.geometry, compat_hash=COMPAT_HASH,
+                                nixl_version=local_nixl_version())
         return self._hello
 
     # -- engine events -------------------------------------------------------------------------
@@ -205,6 +207,8 @@ class Decoder:
             if welcome.compat_hash != COMPAT_HASH:
                 raise MessageRejected("incompatible", f"producer {welcome.engine_id} speaks "
                                       f"{welcome.compat_hash}, we speak {COMPAT_HASH}")
+            if (why := check_peer_nixl(local_nixl_version(), welcome.nixl_version)) is not None:
+                raise MessageRejected("incompatible", f"producer {welcome.engine_id}: {why}")
             try:
                 welcome.geometry.compatible_with(self.t.geometry)
             except GeometryError as e:
