@@ -191,7 +191,9 @@ def test_neuron_available_false_without_torch_neuronx_or_device():
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "no"])
 def test_neuron_prepare_requires_map_hbm(value):
-    env = {} if value is None else {"NEURON_RT_MAP_HBM": value}
+    env = {**GOOD_ENV, "NEURON_RT_MAP_HBM": value}
+    if value is None:
+        del env["NEURON_RT_MAP_HBM"]
     rt = FakeNeuronRuntime(env, initialised=True)
     with pytest.raises(BackendError, match="set NEURON_RT_MAP_HBM=1 before"):
         NeuronBackend(runtime=rt).prepare()
@@ -199,7 +201,7 @@ def test_neuron_prepare_requires_map_hbm(value):
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "2"])
 def test_neuron_prepare_accepts_map_hbm(value):
-    rt = FakeNeuronRuntime({"NEURON_RT_MAP_HBM": value}, initialised=True)
+    rt = FakeNeuronRuntime({**GOOD_ENV, "NEURON_RT_MAP_HBM": value}, initialised=True)
     NeuronBackend(runtime=rt).prepare()
 
 
@@ -237,7 +239,7 @@ def test_neuron_prepare_warns_when_initialisation_cannot_be_told(caplog):
     assert "could not tell whether the Neuron runtime is initialised" in caplog.text
 
 
-@pytest.mark.parametrize("value", [None, "1", "true"])
+@pytest.mark.parametrize("value", [None, "1", "2"])  # libfabric reads "true" as 0 (an int)
 def test_neuron_colocated_requires_shm_transfer_off(value):
     env = dict(GOOD_ENV) if value is None else {**GOOD_ENV, "FI_EFA_ENABLE_SHM_TRANSFER": value}
     rt = FakeNeuronRuntime(env, initialised=True)
