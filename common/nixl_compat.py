@@ -27,7 +27,7 @@ _VERSION = re.compile(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?")
 
 
 def parse_nixl_version(version: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a version string such as "1.5.1" or "1.3.2.dev0"; None if not one."""
+    """(major, minor, patch) of a version such as "1.5.1" or "1.3.2.dev0"; None if not one."""
     m = _VERSION.match(version or "")
     if m is None:
         return None

@@ -176,7 +176,8 @@ def core_slice(value: str | None) -> list[int] | None:
             lo, sep, hi = part.strip().partition("-")
             cores.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
     except ValueError:
-        raise BackendError(f"NEURON_VISIBLE_DEVICES={value!r} is not a core list or range") from None
+        raise BackendError(
+            f"NEURON_VISIBLE_DEVICES={value!r} is not a core list or range") from None
     return cores
 
 

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 import pytest
 
 from kv_push.common import geometry as G
-from kv_push.common import nixl_compat
 from kv_push.common.backend import BackendError
 from kv_push.common.config import PushConfig
 from kv_push.common.messages import (
@@ -482,12 +481,12 @@ def test_models_without_a_sliding_window_pass():
 ])
 def test_trn2_core_slice_must_start_at_a_multiple_of_tp(cores, tp, family, ok):
     rt = runtime(env={"NEURON_VISIBLE_DEVICES": cores}, family=family)
-    check = lambda: NeuronBackend(runtime=rt).check_model(sliding_window=None, tp_size=tp)  # noqa: E731
+    backend = NeuronBackend(runtime=rt)
     if ok:
-        check()
+        backend.check_model(sliding_window=None, tp_size=tp)
     else:
         with pytest.raises(BackendError, match="not a multiple of the tensor-parallel size"):
-            check()
+            backend.check_model(sliding_window=None, tp_size=tp)
 
 
 def test_misaligned_slice_on_an_unknown_instance_warns(caplog):
@@ -541,7 +540,8 @@ def test_one_extra_per_platform_pinned():
     assert neuron["vllm-neuron"].startswith("0.24.") and neuron["libtorch-neuronx-lite"].startswith(
         "2.11.")  # vllm 0.24.0 pins torch 2.11.0
     cuda = {r.split("==")[0]: r.split("==")[1] for r in extras["cuda"]}
-    assert cuda["nixl"] == cuda["nixl-cu12"] == cuda["nixl-cu13"] == extras["nixl"][0].split("==")[1]
+    tested = extras["nixl"][0].split("==")[1]
+    assert cuda["nixl"] == cuda["nixl-cu12"] == cuda["nixl-cu13"] == tested
     readme = (ROOT / "README.md").read_text()
     assert "kv-push[neuron]" in readme and "kv-push[cuda]" in readme
     assert "pip.repos.neuron.amazonaws.com" in readme
