@@ -46,6 +46,7 @@ from .messages import (
     WriteDone,
     geometry_digest,
 )
+from .nixl_compat import check_peer_nixl, local_nixl_version
 from .side_channel import HandshakeError, handshake
 from .transfer_thread import Peer, RoleContext
 
@@ -121,7 +122,8 @@ class Decoder:
         if self._hello is None:
             self._hello = Hello(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                                 agent_metadata=self.ctx.metadata(),
-                                geometry=self.ctx.geometry, compat_hash=COMPAT_HASH)
+                                geometry=self.ctx.geometry, compat_hash=COMPAT_HASH,
+                                nixl_version=local_nixl_version())
         return self._hello
 
     # -- engine events -------------------------------------------------------------------------
@@ -211,6 +213,8 @@ class Decoder:
             if welcome.compat_hash != COMPAT_HASH:
                 raise MessageRejected("incompatible", f"producer {welcome.engine_id} speaks "
                                       f"{welcome.compat_hash}, we speak {COMPAT_HASH}")
+            if (why := check_peer_nixl(local_nixl_version(), welcome.nixl_version)) is not None:
+                raise MessageRejected("incompatible", f"producer {welcome.engine_id}: {why}")
             try:
                 welcome.geometry.compatible_with(self.ctx.geometry)
             except GeometryError as e:

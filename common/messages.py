@@ -12,6 +12,8 @@ count.
 Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` changes with them):
   1 -- Hello/Welcome/Refused handshake, Register, WriteDone, Cancel, CancelAck, TransferFailed,
        Heartbeat, Goodbye.
+  2 -- Hello and Welcome carry the sender's NIXL version (``nixl_version``); a peer on a NIXL
+       release that cannot be paired with ours is refused at the handshake (``nixl_compat``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import msgspec
 
 from .geometry import KVGeometry
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
@@ -36,6 +38,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     agent_metadata: bytes
     geometry: KVGeometry
     compat_hash: str
+    nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
@@ -47,6 +50,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     geometry: KVGeometry
     compat_hash: str
     side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
+    nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):

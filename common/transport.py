@@ -17,6 +17,10 @@ Contract
   polls ``get_notifs`` and ``poll`` continuously while work is in flight, on both sides.
 * Completion: "DONE" on the initiator does not prove the bytes are at the target (seen with
   LIBFABRIC); the notification attached to the WRITE is what the target waits for.
+* ``first_call_waits_for_peer``: True when the first ``write``/``send_notif`` to a peer blocks
+  until that peer's own handshake arrives (NIXL LIBFABRIC from 1.4.0, up to a compiled-in 60 s,
+  with or without the progress thread); the transfer thread then sends unsolicited messages
+  (heartbeats, goodbyes) only to peers it has heard from. A transport without it is False.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import uuid
 from typing import Any, Protocol, Sequence
 
 import numpy as np
+
+from .nixl_compat import libfabric_waits_for_handshake, local_nixl_version
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +119,8 @@ class NixlTransport:
             )
         self._registered: list[Any] = []
         self._peers: set[str] = set()
+        self.first_call_waits_for_peer = ("LIBFABRIC" in self._backends
+                                          and libfabric_waits_for_handshake(local_nixl_version()))
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, dev_id: int) -> None:
         descs = [(int(addr), int(length), int(dev_id), "") for addr, length in regions]

@@ -55,7 +55,8 @@ class PushWorker:
             backends = self._nixl_backends()
             transport_factory = lambda: NixlTransport(  # noqa: E731
                 name=f"kvpush-{self.engine_id}-r{geometry.tp_rank}-{uuid.uuid4().hex[:8]}",
-                backends=backends)
+                backends=backends,
+                progress_thread=bool(getattr(self.backend, "nixl_progress_thread", False)))
         transport = transport_factory()
         transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
         self.backend.verify_registration(geometry)
