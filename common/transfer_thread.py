@@ -109,6 +109,11 @@ class RoleContext(Protocol):
     def metadata(self) -> bytes:
         """This worker's transport metadata, for a peer's ``add_peer``."""
 
+    @property
+    def nixl_version(self) -> str:
+        """The NIXL release under the transport ("" when it is not NIXL); peers compare it at
+        the handshake (``nixl_compat.check_peer_nixl``)."""
+
     # -- messages and peers --
     def send(self, peer: str, msg: Message) -> bool:
         """Encode ``msg`` and send it to agent ``peer``. Returns False if it could not be posted."""
@@ -230,6 +235,10 @@ class TransferThread:
 
     def metadata(self) -> bytes:
         return self.transport.metadata()
+
+    @property
+    def nixl_version(self) -> str:
+        return self.transport.nixl_version
 
     def send(self, peer: str, msg: Message) -> bool:
         return self.transport.send_notif(peer, self.codec.encode(msg))

@@ -42,6 +42,7 @@ class TransportError(RuntimeError):
 
 class Transport(Protocol):
     agent_name: str
+    nixl_version: str  # the NIXL release underneath ("" for a transport that is not NIXL)
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, dev_id: int) -> None: ...
 
@@ -103,6 +104,7 @@ class NixlTransport:
     ):
         nixl_agent, nixl_agent_config = _nixl_api()
         self.agent_name = name or f"kvpush-{uuid.uuid4().hex[:12]}"
+        self.nixl_version = local_nixl_version()
         self._backends = list(backends)
         try:
             self._agent = nixl_agent(

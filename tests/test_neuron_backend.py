@@ -297,6 +297,7 @@ class RecordingTransport:
 
     def __init__(self, name: str = "A", waits: bool = False):
         self.agent_name = name
+        self.nixl_version = "1.5.1"
         self.first_call_waits_for_peer = waits
         self.sent: list[tuple[str, object]] = []
         self.inbox: list[tuple[str, bytes]] = []
@@ -409,8 +410,8 @@ def test_ucx_transfer_thread_still_heartbeats_a_new_peer_at_once():
 def _producer(monkeypatch, ours: str):
     from kv_push.common import producer as producer_module
 
-    monkeypatch.setattr(producer_module, "local_nixl_version", lambda: ours)
     tr = RecordingTransport("P")
+    tr.nixl_version = ours
     t = _thread(tr, time.monotonic)
     return producer_module.Producer(t, on_released=lambda key: None), tr, t
 
@@ -436,8 +437,8 @@ def test_decoder_refuses_a_producer_on_an_incompatible_nixl(monkeypatch):
     from kv_push.common import decoder as decoder_module
     from kv_push.common.messages import COMPAT_HASH
 
-    monkeypatch.setattr(decoder_module, "local_nixl_version", lambda: "1.3.2")
     tr = RecordingTransport("D")
+    tr.nixl_version = "1.3.2"
     t = _thread(tr, time.monotonic)
     d = decoder_module.Decoder(t)
     try:
