@@ -17,4 +17,7 @@ except ``kv_push.common.demo``, the demo's command line.
 * ``pull_peer`` -- a second NIXL agent per peer and vLLM-NixlConnector-style pull (benchmarks).
 * ``bench_peer_server`` -- ``BenchPeerServer``: the benchmarks' peer server (push, pull, bare
   NIXL transfers, push-path instrumentation) over either memory.
+* ``vllm_servers`` -- real ``vllm serve`` processes (CPU build) and our router, for the
+  end-to-end tests and the serving benchmark; ``build_tiny_model``.
+* ``tiny_model`` -- builds the tiny random Llama model they serve (needs torch, transformers).
 """
