@@ -71,10 +71,10 @@ from typing import Any
 
 import httpx
 
+from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
+                                                 router, vllm_server)
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from vllm_servers import (  # noqa: E402  (tests/ helpers: real vLLM servers and our router)
-    Server, build_tiny_model, free_port, metric, router, vllm_server)
 
 SYSTEMS = {  # name -> (connector on P and D, router mode)
     "push": ("push", "push"),

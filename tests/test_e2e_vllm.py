@@ -17,9 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from vllm_servers import REPO, build_tiny_model, free_port, metric, router, vllm_server
+from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, metric, router,
+                                                 vllm_server)
 
 pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
 
 MAX_TOKENS = 8
 RENDEZVOUS_TTL_S = 15
