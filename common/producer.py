@@ -292,8 +292,7 @@ class Producer:
         states = [self.t.transport.poll(h) for h in job.handles]
         if "ERR" in states and not job.error:
             bad = job.handles[states.index("ERR")]
-            job.error = getattr(self.t.transport, "failure_reason",
-                                lambda h: "WRITE failed")(bad)
+            job.error = self.t.transport.failure_reason(bad)
         if "PROC" in states or (job.pending and not job.error and not job.ack_cancel):
             return  # in flight, or more to post: nothing may be released yet
         del self.jobs[jkey]

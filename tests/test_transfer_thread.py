@@ -32,7 +32,7 @@ from kv_push.common.messages import (
 )
 from kv_push.common.metrics import Counters
 from kv_push.common.transfer_thread import Peer, TransferThread
-from kv_push.common.transport import TransportError
+from kv_push.common.transport import Transport, TransportError
 
 GEOM = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=2, head_size=8,
                 dtype_bytes=2, dtype="bfloat16", block_size=4, num_blocks=8)
@@ -105,11 +105,13 @@ class FakeTransport:
         self.wire.inject(peer, self.agent_name, bytes(notif))
         return FakeHandle(peer, "DONE")
 
-    read = write
-
     def poll(self, handle: FakeHandle) -> str:
         self._called()
         return handle.state
+
+    def failure_reason(self, handle: FakeHandle) -> str:
+        self._called()
+        return f"fake WRITE to {handle.peer} failed"
 
     def release(self, handle: FakeHandle) -> None:
         self._called()
@@ -147,7 +149,11 @@ def test_fake_transport_pair():
     h = a.write("B", np.zeros(1, np.uint64), np.zeros(1, np.uint64), "DRAM", "DRAM", b"n")
     assert a.poll(h) == "DONE" and b.get_notifs() == [("A", b"n")]
     a.remove_peer("B")
-    assert a.poll(a.write("B", None, None, "DRAM", "DRAM", b"")) == "ERR"
+    failed = a.write("B", None, None, "DRAM", "DRAM", b"")
+    assert a.poll(failed) == "ERR" and "B" in a.failure_reason(failed)
+    # it stands in for every member of the seam
+    seam = [n for n, v in vars(Transport).items() if not n.startswith("_") and callable(v)]
+    assert all(callable(getattr(a, n, None)) for n in seam)
 
 
 # -- roles and helpers ---------------------------------------------------------------------------
