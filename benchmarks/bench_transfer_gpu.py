@@ -143,8 +143,9 @@ class GpuPeerServer(PullPeer):
     def __init__(self, spec: PeerSpec):
         import torch
 
-        from kv_push.common.backend import HostBackend, describe_kv_caches
+        from kv_push.common.backend import HostBackend
         from kv_push.common.config import PushConfig
+        from kv_push.common.kv_tensors import describe_kv_caches
         from kv_push.common.worker import PushWorker
 
         self.torch = torch

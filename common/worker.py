@@ -91,7 +91,7 @@ class PushWorker:
 
     def _nixl_backends(self) -> tuple[str, ...]:
         """The configured NIXL backends, which must be able to register the backend's memory."""
-        usable = tuple(getattr(self.backend, "nixl_backends", ("UCX",)))
+        usable = tuple(self.backend.nixl_backends)
         if not self.config.nixl_backends:
             return usable[:1]
         chosen = tuple(b for b in self.config.nixl_backends if b in usable)
