@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .metrics import Counters
+
 logger = logging.getLogger(__name__)
 
 #: Prefix of decoder keys whose outcome no vLLM request waits for (release-only registrations).
@@ -115,14 +117,18 @@ class _Waiting:
 
 
 class PushScheduler:
-    """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM."""
+    """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM.
+
+    ``counters``: where it counts what it rejects (``rejected{bad_transfer_params}``); a fresh
+    ``Counters`` when not given. The connector hands their snapshot to vLLM's stats each step.
+    """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
-                 counters=None):
+                 counters: Counters | None = None):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
-        self.counters = counters
+        self.counters = counters if counters is not None else Counters()
         self._plan = StepPlan()
         self._waiting: dict[str, _Waiting] = {}  # decoder requests we claimed tokens for
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
@@ -135,8 +141,7 @@ class PushScheduler:
         except TransferParamsError as e:
             logger.warning("kv_push: request %s has bad kv_transfer_params (%s); "
                            "serving it without KV transfer", request.request_id, e)
-            if self.counters is not None:
-                self.counters.inc("rejected", label="bad_transfer_params")
+            self.counters.inc("rejected", label="bad_transfer_params")
             return None
 
     # -- decoder ---------------------------------------------------------------------------------
