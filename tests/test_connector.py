@@ -169,6 +169,11 @@ def test_scheduler_half_counts_bad_params_into_vllm_stats_and_metrics():
     assert c.get_kv_connector_stats() is None  # nothing counted yet
     bad = req("r", {"transfer_id": "t", "do_remote_prefill": True, "remote_port": 1})
     assert c.get_num_new_matched_tokens(bad, 0) == (0, False)  # served locally
+    assert c.get_num_new_matched_tokens(bad, 0) == (0, False)  # scheduled again: not recounted
+    from vllm.v1.request import RequestStatus
+
+    bad.status = RequestStatus.FINISHED_STOPPED
+    assert c.request_finished(bad, []) == (False, None)  # parses them again: still one request
     stats = c.get_kv_connector_stats()
     assert stats.data == {"rejected": 1.0, "rejected{bad_transfer_params}": 1.0}
     assert c.get_kv_connector_stats() is None  # reset once handed over
