@@ -185,7 +185,7 @@ class TransferThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         #: unsolicited messages (heartbeat, goodbye) wait until the peer has spoken
-        self._hold_until_heard = bool(getattr(transport, "first_call_waits_for_peer", False))
+        self._hold_until_heard = bool(transport.first_call_waits_for_peer)
 
     # -- engine-facing: hand work in ---------------------------------------------------------
     def add_role(self, role: Role) -> None:
@@ -257,9 +257,7 @@ class TransferThread:
         self.transport.release(handle)
 
     def failure_reason(self, handle: Any) -> str:
-        # not every transport explains its failures
-        explain = getattr(self.transport, "failure_reason", None)
-        return explain(handle) if explain is not None else "WRITE failed"
+        return self.transport.failure_reason(handle)
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None) -> Peer:

@@ -89,7 +89,8 @@ class TorchMemory:
     def __init__(self, spec: PeerSpec, device: str):
         import torch
 
-        from ..backend import HostBackend, describe_kv_caches
+        from ..backend import HostBackend
+        from ..kv_tensors import describe_kv_caches
 
         self.torch = torch
         if device == "cuda":
