@@ -372,6 +372,21 @@ async def test_metrics_health_and_models():
         assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "d0"
 
 
+async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
+    """``vllm bench serve`` calls /tokenize and /detokenize on the URL it benchmarks."""
+    async with cluster(n_d=2) as c:
+        r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"},
+                                headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        assert r.json() == {"tokens": [97, 98, 99], "count": 3, "server": "d0",
+                            "authorization": "Bearer k"}
+        assert (await c.client.post("/detokenize", json={"tokens": [1]})).status_code == 404
+        assert not any(f.records for f in c.prefills + c.decodes)  # no legs dispatched
+    async with cluster(dead_decode=True) as c:
+        r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"})
+        assert r.status_code == 502 and "cannot connect" in r.json()["error"]["message"]
+
+
 # -- configuration -----------------------------------------------------------------------------
 
 

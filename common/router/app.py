@@ -473,12 +473,18 @@ class Router:
             info[b.role].append(entry)
         return JSONResponse(info, status_code=503 if any(problems) else 200)
 
-    async def models(self) -> Response:
-        """``GET /v1/models`` of the first decode server."""
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode
+        server and return its answer as is: for what every server answers alike (``/v1/models``,
+        ``/tokenize``, ``/detokenize``: one model and tokenizer behind the router). A connection
+        failure or time-out is the usual OpenAI-style 502 / 504."""
         assert self.client is not None
         url = self.decode_pool.backends[0].url
+        headers = {k: v for k, v in request.headers.items()
+                   if k in ("authorization", "content-type")}
         try:
-            r = await self.client.get(url + "/v1/models")
+            r = await self.client.request(request.method, url + path,
+                                          content=await request.body(), headers=headers)
         except httpx.HTTPError as exc:
             return self.failure(None, "decode", url, exc).to_response(None)
         return Response(r.content, status_code=r.status_code,
@@ -509,8 +515,17 @@ def build_app(config: RouterConfig) -> FastAPI:
         return await router.handle(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        return await router.forward(request, "/v1/models")
+
+    # `vllm bench serve` aligns its prompts to the server's tokenizer through these
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.forward(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.forward(request, "/detokenize")
 
     @app.get("/health")
     async def health(probe: bool = False) -> Response:
