@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .geometry import GeometryError, KVGeometry, TokenOrder
+from .geometry import local_heads as local_heads_of
 
 if TYPE_CHECKING:
     from .backend import KVBackend
@@ -83,7 +84,7 @@ def describe_kv_caches(
     """
     if not tensors:
         raise GeometryError("no KV cache tensors to describe")
-    local_heads = max(1, num_kv_heads // tp_size)
+    local_heads = local_heads_of(num_kv_heads, tp_size)
     first = tensors[0]
     shape = tuple(int(s) for s in first.shape)
     dims = dims or guess_dims(shape, block_size, local_heads, head_size)
