@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 STYLE = {"push": ("tab:green", "o", "push (KVPushConnector)"),
          "pull": ("tab:blue", "s", "pull (vLLM NixlConnector)"),
@@ -61,13 +63,8 @@ class Figures:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """The q-th percentile (numpy's linear interpolation); None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 # -- benchmarks/bench_serving.py's serving.json ------------------------------------------------
