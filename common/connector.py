@@ -30,6 +30,7 @@ from . import vllm_compat as compat
 from .config import PushConfig
 from .connector_scheduler import PushScheduler, StepPlan
 from .connector_stats import KVPushPromMetrics, KVPushStats
+from .metrics import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,13 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         block_size = vllm_config.cache_config.block_size
         self._scheduler: PushScheduler | None = None
         self._worker = None
+        self._scheduler_counters = Counters()  # rejected kv_transfer_params, scheduler half
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
                                             is_decoder=self.kv_role in ("decoder", "both"),
-                                            block_size=block_size)
+                                            block_size=block_size,
+                                            counters=self._scheduler_counters,
+                                            secret=self.push_config.secret)
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 
@@ -108,8 +112,9 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         return set() if compat.HAS_FAILED_RECVING else errors
 
     def get_kv_connector_stats(self):
-        if self._worker is None:  # the scheduler half has no transfer thread
-            return None
+        if self._worker is None:  # the scheduler half: its own counters (vLLM merges them)
+            data = self._scheduler_counters.snapshot(reset=True)
+            return KVPushStats(data=data) if data else None
         data = self._worker.stats()
         return KVPushStats(data=data) if data else None
 

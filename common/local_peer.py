@@ -34,8 +34,9 @@ class PeerSpec:
     tp_rank: int = 0
     token_order: str = "NHD"
     engine_id: str = ""
-    config: dict = field(default_factory=dict)  # PushConfig fields
+    config: dict = field(default_factory=dict)  # PushConfig fields (kv_connector_extra_config)
     env: dict = field(default_factory=dict)
+    secret: str = field(default="", repr=False)  # the child's KV_PUSH_SECRET
 
 
 class PeerError(RuntimeError):
@@ -56,7 +57,8 @@ class PeerServer:
                              dtype_bytes=spec.dtype_bytes, block_size=spec.block_size,
                              num_blocks=spec.num_blocks, tp_size=spec.tp_size,
                              tp_rank=spec.tp_rank, token_order=spec.token_order)  # type: ignore[arg-type]
-        config = PushConfig.from_sources(spec.config, env={})
+        config = PushConfig.from_sources(
+            spec.config, env={"KV_PUSH_SECRET": spec.secret} if spec.secret else {})
         self.worker = PushWorker(geometry=self.pool.geometry, role=spec.role, config=config,
                                  engine_id=spec.engine_id or None).start()
         self.outcomes: dict[str, Any] = {}
@@ -131,11 +133,12 @@ class PeerServer:
                 if kind == "Register":
                     f.setdefault("geometry_digest", M.geometry_digest(t.geometry))
                     f["block_ids"] = tuple(int(b) for b in f["block_ids"])
-                data = t.codec.encode(getattr(M, kind)(**f))
+                msg = getattr(M, kind)(**f)
             sent = 0
             for name, peer in list(t.peers.items()):
                 if to_engine is None or peer.engine_id == to_engine:
-                    sent += bool(t.transport.send_notif(name, data))
+                    sent += bool(t.transport.send_notif(name, data if raw is not None
+                                                        else t.seal(name, msg)))
             return sent
         return t.call(send, 10.0)
 

@@ -116,7 +116,7 @@ class Producer:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
         self.t.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
                         tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                        digest=geometry_digest(hello.geometry))
+                        digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
         self.t.counters.inc("handshakes")
         return Welcome(engine_id=self.t.engine_id, agent_name=self.t.transport.agent_name,
                        agent_metadata=self.t.transport.metadata(), geometry=self.t.geometry,
@@ -270,7 +270,7 @@ class Producer:
                              self.t.config.max_post_regions)
         pending = []
         for i, (a, b) in enumerate(cuts):
-            notif = self.t.codec.encode(WriteDone(
+            notif = self.t.seal(reg.peer, WriteDone(
                 transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.t.engine_id,
                 tp_rank=self.t.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
                 chunks=len(cuts)))

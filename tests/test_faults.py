@@ -59,15 +59,16 @@ def uid(prefix: str) -> str:
     return f"{prefix}-{next(_ids)}"
 
 
-def _p(**config):
-    return PeerSpec(role="producer", config={"side_channel_port": 0, **COMMON, **config})
+def _p(secret: str = "", **config):
+    return PeerSpec(role="producer", config={"side_channel_port": 0, **COMMON, **config},
+                    secret=secret)
 
 
-def _d(**config):
+def _d(secret: str = "", **config):
     # blocks_first HND 8-token blocks against the producers' kv_split NHD 16: WRITEs of many
     # small regions, so they stay in flight a little while
     return PeerSpec(role="decoder", placement="blocks_first", token_order="HND", block_size=8,
-                    num_blocks=512, config={**COMMON, **config})
+                    num_blocks=512, config={**COMMON, **config}, secret=secret)
 
 
 class FaultPeers:
