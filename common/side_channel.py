@@ -56,6 +56,10 @@ class HandshakeError(ConnectionError):
     pass
 
 
+class _Explained(HandshakeError):
+    """A handshake failure whose message already names the peer and the cause."""
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -146,19 +150,19 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
             challenge = recv_frame(sock, codec)
         except socket.timeout:
             sock.close()
-            raise HandshakeError(f"no Challenge from {where} within {timeout:g}s (hung, or a "
-                                 "producer older than protocol 2)") from None
+            raise _Explained(f"side channel {where}: timed out after {timeout:g}s waiting for "
+                             "the producer's Challenge (hung, or older than protocol 2)") from None
         except MessageRejected as e:
             reason = explain(e, f"the producer at {where}", "decoder")
             _refuse_quietly(sock, codec, reason)
             sock.close()
-            raise HandshakeError(f"handshake with {where} refused here: {reason}") from None
+            raise _Explained(f"handshake with {where} refused here: {reason}") from None
         if isinstance(challenge, Refused):
             sock.close()
-            raise HandshakeError(f"{where} refused the handshake: {challenge.reason}")
+            raise _Explained(f"{where} refused the handshake: {challenge.reason}")
         if not isinstance(challenge, Challenge):
             sock.close()
-            raise HandshakeError(f"{where} opened with {type(challenge).__name__}, not Challenge")
+            raise _Explained(f"{where} opened with {type(challenge).__name__}, not Challenge")
         hello = msgspec.structs.replace(hello, nonce=nonce, reply_to=challenge.nonce)
         send_frame(sock, codec, hello)
         reply = recv_frame(sock, codec)
@@ -167,6 +171,8 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
             sock.close()
         raise HandshakeError(f"bad reply from {where}: "
                              f"{explain(e, f'the producer at {where}', 'decoder')}") from None
+    except _Explained:
+        raise  # (an OSError too)
     except OSError as e:
         if sock is not None:
             sock.close()
