@@ -118,10 +118,12 @@ class PeerServer:
         return t.call(t.transport.metadata, 10.0)
 
     def inject(self, kind: str, fields: dict | None = None, raw: bytes | None = None,
-               to_engine: str | None = None) -> int:
+               to_engine: str | None = None, times: int = 1) -> int:
         """Send ``messages.<kind>(**fields)`` (engine_id / tp_rank / geometry_digest default to
-        this worker's) or ``raw`` bytes as a NIXL notification to every known peer (or those of
-        engine ``to_engine``), from the transfer thread. Returns how many peers it went to."""
+        this worker's, sealed for each peer as the transfer thread would) or ``raw`` bytes as a
+        NIXL notification to every known peer (or those of engine ``to_engine``), from the
+        transfer thread; ``times`` > 1 sends the very same frame again (a replay). Returns how
+        many notifications went out."""
         from . import messages as M
         t = self.worker.thread
 
@@ -137,8 +139,9 @@ class PeerServer:
             sent = 0
             for name, peer in list(t.peers.items()):
                 if to_engine is None or peer.engine_id == to_engine:
-                    sent += bool(t.transport.send_notif(name, data if raw is not None
-                                                        else t.seal(name, msg)))
+                    frame = data if raw is not None else t.seal(name, msg)
+                    for _ in range(times):
+                        sent += bool(t.transport.send_notif(name, frame))
             return sent
         return t.call(send, 10.0)
 

@@ -250,9 +250,10 @@ def test_compat_hash_same_in_another_process_and_under_another_import_path():
     """The hash names the wire format: it must not depend on the process or on the module path
     the package was imported under (an installed ``kv_push.common`` vs a source checkout's
     ``common``), or two identical installs refuse each other's handshake."""
-    code = (
+    code = (  # the checkout first for ``common``, then off the path so ``kv_push`` is the install
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "import common.messages as a, kv_push.common.messages as b;"
+        "import common.messages as a; sys.path.pop(0);"
+        "import kv_push.common.messages as b;"
         "print(a.COMPAT_HASH, b.COMPAT_HASH)"
     )
     out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True,
