@@ -49,7 +49,9 @@ SIG_KEY = "kv_push_sig"
 DEFAULT_PARAMS_TTL_S = 600.0
 PARAMS_TTL_ENV = "KV_PUSH_PARAMS_TTL_S"
 #: how far behind the newest sequence number a notification may arrive and still be accepted
-REPLAY_WINDOW = 4096
+#: (notifications that ride WRITEs arrive when the WRITE completes, so they may be overtaken by
+#: everything the sender sent to that receiver meanwhile)
+REPLAY_WINDOW = 1 << 14
 
 _PARAMS_DOMAIN = "kv-push/transfer-params/1"
 
@@ -177,7 +179,7 @@ class ReplayWindow:
     """The sequence numbers seen from one sender: the newest and a bitmap of the ``size`` below
     it. ``mark`` accepts each number once, in any order within the window."""
 
-    def __init__(self, size: int = REPLAY_WINDOW):
+    def __init__(self, size: int = REPLAY_WINDOW):  # noqa: B008 - a constant
         self.size = size
         self.top = 0
         self._mask = 0  # bit i: top - i was seen
@@ -211,11 +213,11 @@ class NotificationChannel:
     is checked beyond the frame itself. At most ``max_pairs`` counters and windows are kept (the
     least recently used go first)."""
 
-    def __init__(self, codec: Codec, agent_name: str, *, window: int = REPLAY_WINDOW,
+    def __init__(self, codec: Codec, agent_name: str, *, window: int | None = None,
                  max_pairs: int = 1 << 16, clock: Callable[[], float] = time.time):
         self.codec = codec
         self.agent_name = agent_name
-        self._window = window
+        self._window = window or REPLAY_WINDOW
         self._max_pairs = max_pairs
         self._clock = clock
         self._sent: OrderedDict[str, int] = OrderedDict()  # receiver -> last number sent

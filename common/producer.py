@@ -74,7 +74,7 @@ class _Job:
     peer: str
     started: float
     num_bytes: int
-    pending: list  # chunks not yet posted: (src descs, dst descs, notification)
+    pending: list  # chunks not yet posted: (src descs, dst descs, WriteDone)
     handles: list = field(default_factory=list)
     ack_cancel: bool = False
     error: str = ""
@@ -270,10 +270,10 @@ class Producer:
                              self.t.config.max_post_regions)
         pending = []
         for i, (a, b) in enumerate(cuts):
-            notif = self.t.seal(reg.peer, WriteDone(
+            notif = WriteDone(
                 transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.t.engine_id,
                 tp_rank=self.t.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
-                chunks=len(cuts)))
+                chunks=len(cuts))
             pending.append((src_d[a:b], dst_d[a:b], notif))
         self.t.counters.inc("regions_written", plan.num_regions)
         jkey = (reg.transfer_id, reg.tp_rank, reg.attempt)
@@ -283,7 +283,8 @@ class Producer:
     def _poll_job(self, jkey: tuple[str, int, int]) -> None:
         job = self.jobs[jkey]
         if job.pending and not job.error and not job.ack_cancel:
-            src_d, dst_d, notif = job.pending.pop(0)
+            src_d, dst_d, notice = job.pending.pop(0)
+            notif = self.t.seal(job.peer, notice)  # numbered when posted (replay window)
             g, peer = self.t.geometry, self.t.peers.get(job.peer)
             dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
             job.handles.append(self.t.transport.write(job.peer, src_d, dst_d, g.mem_type,

@@ -497,3 +497,40 @@ def test_load_secret_sources(tmp_path):
     assert load_secret({"KV_PUSH_SECRET": "v"}) == b"v"
     assert load_secret({}, secret_file=str(f)) == b"from-file"
     assert load_secret({"KV_PUSH_SECRET_FILE": str(f)}) == b"from-file"
+
+
+def test_chunked_writes_to_one_decoder_stay_inside_the_replay_window(monkeypatch):
+    """Two transfers to one decoder, each posted in many more chunks than the replay window, the
+    chunks of both interleaved: each chunk's notice is numbered when it is posted, so none falls
+    behind the window (numbered when planned, the second transfer's numbers would overtake the
+    first's by a whole transfer)."""
+    from kv_push.common import auth
+
+    monkeypatch.setattr(auth, "REPLAY_WINDOW", 16)
+    wire = Wire()
+    p = PushWorker(geometry=GEOM, role="producer",
+                   config=PushConfig(side_channel_port=0, secret=SECRET, max_post_regions=1),
+                   transport_factory=lambda: FakeTransport(wire, "P")).start()
+    d = PushWorker(geometry=GEOM, role="decoder", config=PushConfig(secret=SECRET),
+                   transport_factory=lambda: FakeTransport(wire, "D")).start()
+    try:
+        n = GEOM.num_blocks * GEOM.block_size
+        src, dst = list(range(GEOM.num_blocks)), list(reversed(range(GEOM.num_blocks)))
+        for i in range(2):  # reversed destination blocks: no two regions merge, 32 per transfer
+            d.expect(f"k{i}", f"t{i}", 0, p.side_channel_address, dst, 0, n)
+        deadline = time.monotonic() + TIMEOUT
+        while p.counters.get("registrations_early") < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for i in range(2):
+            p.prefill_done(f"p{i}", f"t{i}", src, n)
+        outcomes = []
+        while len(outcomes) < 2 and time.monotonic() < deadline + TIMEOUT:
+            outcomes += d.drain_outcomes()
+            time.sleep(0.005)
+        assert sorted((o.key, o.kind) for o in outcomes) == [("k0", "received"),
+                                                              ("k1", "received")], outcomes
+        assert p.counters.get("writes_posted") == 2 * 32 > 16
+        assert d.counters.get("rejected", label="replay") == 0
+    finally:
+        d.close()
+        p.close()
