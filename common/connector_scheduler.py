@@ -39,7 +39,8 @@ RELEASE_KEY_PREFIX = "release:"
 
 class TransferParamsError(ValueError):
     """``reason``: the metrics label (``bad_transfer_params``, or a signature problem:
-    ``unsigned_transfer_params``, ``bad_transfer_params_signature``, ``expired_transfer_params``)."""
+    ``unsigned_transfer_params``, ``bad_transfer_params_signature``,
+    ``expired_transfer_params``)."""
 
     def __init__(self, message: str, reason: str = "bad_transfer_params"):
         super().__init__(message)

@@ -39,13 +39,11 @@ from kv_push.common.messages import (
     Welcome,
     geometry_digest,
 )
-from kv_push.common.metrics import Counters
 from kv_push.common.side_channel import (
     HandshakeError,
     SideChannelServer,
     handshake,
     recv_frame,
-    send_frame,
 )
 from kv_push.common.worker import PushWorker
 
