@@ -80,12 +80,22 @@ def hold_lifeline(sock: socket.socket, on_closed: Callable[[], None]) -> None:
         on_closed()
 
 
+def sever(sock: socket.socket) -> None:
+    """Close a lifeline from our side: the peer sees us gone (and our watcher sees it closed)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
 def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
-              on_closed: Callable[[Welcome], None] | None = None) -> Welcome:
+              on_closed: Callable[[Welcome], None] | None = None,
+              on_open: Callable[[Callable[[], None]], None] | None = None) -> Welcome:
     """Decoder side: introduce ourselves to the producer worker at host:port.
 
     With ``on_closed`` the connection stays open as a lifeline, watched by a daemon thread that
-    calls ``on_closed(welcome)`` when the producer goes away.
+    calls ``on_closed(welcome)`` when the producer goes away; ``on_open`` (if given) first gets a
+    callable that severs that lifeline from our side.
     """
     sock = None
     try:
@@ -109,6 +119,8 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
     if on_closed is None:
         sock.close()
     else:
+        if on_open is not None:
+            on_open(lambda: sever(sock))
         threading.Thread(target=hold_lifeline, args=(sock, lambda: on_closed(reply)),
                          name=f"kv-push-lifeline-{host}:{port}", daemon=True).start()
     return reply
