@@ -158,7 +158,8 @@ class Decoder:
         self.wants: dict[str, _Want] = {}  # engine key -> its current want
         self.by_reg: dict[tuple[str, int], _Want] = {}  # (reg_id, attempt) -> every want not done
         self.superseded: dict[str, int] = {}  # engine key -> older attempts still fencing
-        self.parked: dict[str, Outcome] = {}  # outcomes waiting for older attempts' fences
+        # outcomes (with their attempt) waiting for older attempts' fences
+        self.parked: dict[str, tuple[int, Outcome]] = {}
         self._pool = executor or ThreadPoolExecutor(max_handshakes,
                                                     thread_name_prefix="kv-push-handshake")
         self._handshake = handshake_fn
@@ -185,9 +186,11 @@ class Decoder:
                block_ids: tuple[int, ...], first_token: int, num_tokens: int, *,
                prompt_digest: str = "") -> None:
         old = self.wants.get(key)
-        if old is not None and attempt <= old.attempt:
+        newest = old.attempt if old is not None else (
+            self.parked[key][0] if key in self.parked else -1)
+        if attempt <= newest:
             self.ctx.counters.reject("stale", f"expect {key} attempt {attempt}: attempt "
-                                     f"{old.attempt} is current", context="expect")
+                                     f"{newest} is current", context="expect")
             return
         self.parked.pop(key, None)  # the engine re-allocated before hearing the outcome
         if old is not None:
@@ -454,7 +457,7 @@ class Decoder:
             else:
                 del self.superseded[want.key]
                 if want.key in self.parked and want.key not in self.wants:
-                    self.outcomes.put(self.parked.pop(want.key))
+                    self.outcomes.put(self.parked.pop(want.key)[1])
             return
         if self.wants.get(want.key) is want:
             del self.wants[want.key]
@@ -462,7 +465,7 @@ class Decoder:
             return
         out = Outcome(want.key, kind, reason)
         if self.superseded.get(want.key):
-            self.parked[want.key] = out  # an older attempt's blocks may still be written
+            self.parked[want.key] = (want.attempt, out)  # older attempts' blocks may be written
         else:
             self.outcomes.put(out)
 

@@ -25,6 +25,8 @@ SETTABLE = {
     "rendezvous_ttl_s": [("30", 30.0), (45.5, 45.5)],
     "transfer_timeout_s": [("12.5", 12.5), (1, 1.0)],
     "handshake_timeout_s": [("2", 2.0), (0.5, 0.5)],
+    "cancel_retry_s": [("0.5", 0.5), (2, 2.0)],
+    "fence_timeout_s": [("45", 45.0), (10.5, 10.5)],
     "secret": [("s3cret", b"s3cret"), (b"\x00\xffraw", b"\x00\xffraw"), ("ключ", "ключ".encode()),
                (bytearray(b"ba"), b"ba")],
     "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
@@ -96,6 +98,9 @@ def test_unknown_key_is_named(key):
     ("rendezvous_ttl_s", -5),
     ("transfer_timeout_s", "-0.1"),
     ("handshake_timeout_s", 0.0),
+    ("cancel_retry_s", 0),
+    ("fence_timeout_s", "-1"),
+    ("fence_timeout_s", 0.5),  # not above cancel_retry_s (1.0)
     ("idle_poll_s", -0.001),
     ("max_post_bytes", 0),
     ("max_post_regions", -1),
