@@ -40,6 +40,7 @@ class PushConnectorWorker:
         self._blocks: dict[str, tuple[int, ...]] = {}  # decoder key -> its block ids
         self._load_errors: set[int] = set()
         self._abandoned: set[str] = set()  # decoder keys whose outcome vLLM no longer expects
+        self._attempts: dict[str, int] = {}  # decoder key -> the attempt vLLM waits for
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors, seen = [], set()
@@ -78,6 +79,7 @@ class PushConnectorWorker:
         for e in plan.expects:
             if not e.key.startswith(RELEASE_KEY_PREFIX):
                 self._blocks[e.key] = e.block_ids
+                self._attempts[e.key] = e.attempt
                 self._abandoned.discard(e.key)
             w.expect(e.key, e.transfer_id, e.attempt, (e.host, e.port), e.block_ids,
                      e.first_token, e.num_tokens, prompt_digest=e.prompt_digest)
@@ -99,6 +101,9 @@ class PushConnectorWorker:
             for o in w.drain_outcomes():
                 if o.key.startswith(RELEASE_KEY_PREFIX):
                     continue
+                if o.attempt < self._attempts.get(o.key, o.attempt):
+                    continue  # a superseded attempt's: vLLM waits for the newer one's
+                self._attempts.pop(o.key, None)
                 if o.key in self._abandoned:
                     self._abandoned.discard(o.key)
                     self._blocks.pop(o.key, None)

@@ -13,8 +13,11 @@ engine hands it ``expect`` (a request whose prompt KV a producer will push into 
 * ``released`` -- after ``cancel``: the blocks may be freed or reused; emitted only once the
   same holds.
 
-Exactly one outcome per engine key, whatever arrives twice or late: every path to an outcome
-goes through ``_finish``, which acts once. A ``cancel`` after the outcome does nothing.
+Exactly one outcome per engine key and attempt, whatever arrives twice or late: every path to an
+outcome goes through ``_finish``, which acts once. A ``cancel`` after the outcome does nothing.
+An attempt superseded before its outcome has none; one superseded after (the engine re-allocated
+while the outcome was on its way) had one, which the engine drops as stale (``Outcome.attempt``
+is older than the attempt it waits for) -- either way the newest attempt has exactly one.
 
 Identity: a want is the engine's key (its request id); on the wire it is ``reg_id`` (the same
 id) and ``attempt``, so two engine requests that share a transfer id (a prompt list, ``n > 1``)
@@ -33,9 +36,15 @@ and keeps the blocks until each such rank is *quiet*: it answered (``CancelAck``
 ``TransferFailed``) and the ``chunks_done`` notices it announced have arrived (a local DONE on
 the producer does not prove remote delivery), or it delivered every chunk, or it is dead. Dead
 means proven: its side-channel lifeline closed, it said goodbye, or -- after ``fence_timeout_s``
-without an answer -- this decoder gave up on it, closed the lifeline itself (so a live producer
-drops us and writes nothing more) and dropped it. Heartbeat silence alone fails the transfers
-that wait for that producer but keeps their blocks fenced (``on_peer_silent``).
+without an answer -- this decoder gave up on it: it closes the lifeline itself (so a live
+producer drops us and posts nothing more) and drops the producer another ``fence_timeout_s``
+later, once WRITEs posted before the producer noticed can no longer land. Heartbeat silence
+alone fails the transfers that wait for that producer but keeps their blocks fenced
+(``on_peer_silent``).
+
+The bound rests on timing assumptions (checked by ``tests/test_protocol_model.py``): a
+notification arrives, a stalled producer resumes and a posted WRITE lands (or fails) well within
+``fence_timeout_s``; a producer stalled longer than that may write into blocks already freed.
 
 Handshakes run on a small thread pool (or the ``executor`` given) with a time-out, so a producer
 that hangs delays only the requests that need it; their results come back through
@@ -84,6 +93,7 @@ class Outcome:
     key: str
     kind: str  # "received" | "failed" | "released"
     reason: str = ""
+    attempt: int = 0  # the attempt it is the outcome of (see ``expect``)
 
 
 @dataclass
@@ -172,7 +182,9 @@ class Decoder:
         self._closed_early: set[int] = set()
         self._lifeline: dict[str, int] = {}  # producer agent -> token of its current lifeline
         self._severs: dict[str, Callable[[], None]] = {}  # producer agent -> close its lifeline
-        self._giving_up: set[str] = set()  # producer agents we are dropping
+        # producer agents we gave up on -> when they count as dead (their lifeline is closed,
+        # but WRITEs they posted before they noticed may still land until then)
+        self._giving_up: dict[str, float] = {}
 
     def _my_hello(self) -> Hello:
         if self._hello is None:
@@ -463,7 +475,7 @@ class Decoder:
             del self.wants[want.key]
         if not want.emits:
             return
-        out = Outcome(want.key, kind, reason)
+        out = Outcome(want.key, kind, reason, want.attempt)
         if self.superseded.get(want.key):
             self.parked[want.key] = (want.attempt, out)  # older attempts' blocks may be written
         else:
@@ -471,6 +483,10 @@ class Decoder:
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        for agent, when in list(self._giving_up.items()):
+            if now >= when:
+                del self._giving_up[agent]
+                self.ctx.peer_lost(agent, "did not answer a cancel in time")
         for want in list(self.by_reg.values()):
             if want.state in ("connecting", "registered"):
                 if now > want.deadline:
@@ -479,6 +495,7 @@ class Decoder:
             elif want.state == "fencing":
                 if now >= want.fence_deadline:
                     self._give_up(want)
+                    want.fence_deadline = float("inf")  # once
                 elif now >= want.next_cancel:
                     self.ctx.counters.inc("cancels_resent")
                     self._send_cancels(want)
@@ -488,23 +505,26 @@ class Decoder:
 
     def _give_up(self, want: _Want) -> None:
         """The fence outlived ``fence_timeout_s``: every producer that still owes an answer is
-        treated as dead -- its lifeline is closed (a live producer then drops us and writes
-        nothing more) and it is dropped here; the fence then ends through ``on_peer_dead``."""
+        treated as dead. Its lifeline is closed now -- a live producer then drops us and posts
+        nothing more -- but it is dropped (and the blocks it was told about freed) only another
+        ``fence_timeout_s`` later: WRITEs it posted before it noticed may land until then. An
+        answer that comes meanwhile still ends a fence the usual way."""
+        now = self.ctx.clock()
         for told in want.told.values():
             if told.quiet or told.agent in self._giving_up:
                 continue
             if self.ctx.peer(told.agent) is None:
                 told.dead = True
                 continue
-            self._giving_up.add(told.agent)
+            self._giving_up[told.agent] = now + self.ctx.config.fence_timeout_s
             self.ctx.counters.inc("fence_timeouts")
             logger.error("kv_push: producer %s did not answer the cancel of %s (%s) within %.0fs:"
-                         " closing its lifeline and dropping it", told.agent, want.key,
-                         want.transfer_id, self.ctx.config.fence_timeout_s)
+                         " closing its lifeline; dropping it once its WRITEs can no longer land",
+                         told.agent, want.key, want.transfer_id, self.ctx.config.fence_timeout_s)
+            self._lifeline.pop(told.agent, None)  # its closing is ours, not proof of its death
             sever = self._severs.pop(told.agent, None)
             if sever is not None:
                 sever()
-            self.ctx.peer_lost(told.agent, "did not answer a cancel in time")
         self._check(want)
 
     def busy(self) -> bool:
@@ -529,7 +549,7 @@ class Decoder:
         name = peer.agent_name
         self._lifeline.pop(name, None)
         self._severs.pop(name, None)
-        self._giving_up.discard(name)
+        self._giving_up.pop(name, None)
         for remote in list(self.remotes.values()):
             for rank, agent in list(remote.rank_peers.items()):
                 if agent == name:

@@ -86,9 +86,9 @@ def _chunk_bounds(lengths, max_bytes: int, max_regions: int) -> list[tuple[int, 
 
 @dataclass
 class _Job:
-    """One registration attempt's WRITE, posted in bounded chunks, one chunk per loop step, so
-    that the transfer thread keeps heartbeating and serving other peers during a long copy (over
-    UCX's CPU path the whole copy happens inside the post). Each chunk carries its own
+    """One registration attempt's WRITE, posted in bounded chunks, one chunk per loop step (at
+    its tick), so that the transfer thread keeps heartbeating and serving other peers during a
+    long copy (over UCX's CPU path the whole copy happens inside the post). Each chunk carries its own
     ``WriteDone`` (``chunk`` i of ``chunks``); the decoder counts them all."""
 
     pairing: Pairing
@@ -337,9 +337,15 @@ class Producer:
             pending.append((src_d[a:b], dst_d[a:b], notif))
         self.ctx.counters.inc("regions_written", plan.num_regions)
         jkey = (reg.request, reg.tp_rank, reg.attempt)
+        if jkey in self.jobs:  # cannot happen (the rendezvous drops repeated attempts): be sure
+            self.ctx.counters.reject("stale", f"{reg.request[1]} attempt {reg.attempt} is "
+                                     "already being written", context="pairing")
+            return
         self.jobs[jkey] = _Job(pairing, self.ctx.clock(), plan.total_bytes, pending)
         self.readers[src.key] = self.readers.get(src.key, 0) + 1
-        self._poll_job(jkey)
+        # the first chunk goes out at this loop step's tick: after the step's queued work and
+        # notifications, so a lifeline closed or a Cancel that waited (a stalled thread) is seen
+        # before anything is posted
 
     def _post(self, job: _Job) -> None:
         src_d, dst_d, notif = job.pending.pop(0)

@@ -108,7 +108,9 @@ class Claim:
     rdv_key: RdvKey
     since: float
     targets: frozenset[int]  # decoder ranks this worker writes to
-    regs: dict[int, Registration] = field(default_factory=dict)  # newest attempt per rank
+    regs: dict[int, Registration] = field(default_factory=dict)  # held registration per rank
+    newest: dict[int, int] = field(default_factory=dict)  # rank -> newest attempt seen (even
+    # cancelled: an attempt at or below it is stale, however late it arrives)
     resolved: set[int] = field(default_factory=set)
     source: str | None = None  # key of the assigned source
 
@@ -227,10 +229,12 @@ class Rendezvous:
         elif claim.rdv_key != reg.rdv_key:
             raise ConflictEvent(f"request {reg.request[1]} registered for {claim.rdv_key} and "
                                 f"then for {reg.rdv_key}")
-        old = claim.regs.get(reg.tp_rank)
-        if old is not None and reg.attempt <= old.attempt:
+        newest = claim.newest.get(reg.tp_rank, -1)
+        if reg.attempt <= newest:
             raise StaleEvent(f"registration of {reg.request[1]} ({reg.transfer_id}) attempt "
-                             f"{reg.attempt} from rank {reg.tp_rank}: attempt {old.attempt} seen")
+                             f"{reg.attempt} from rank {reg.tp_rank}: attempt {newest} seen")
+        old = claim.regs.get(reg.tp_rank)
+        claim.newest[reg.tp_rank] = reg.attempt
         claim.regs[reg.tp_rank] = reg
         claim.resolved.discard(reg.tp_rank)
         if claim.source is not None:
@@ -267,6 +271,7 @@ class Rendezvous:
         reg = claim.regs.get(rank)
         if reg is not None and attempt < reg.attempt:
             raise StaleEvent(f"cancel of {key[1]} attempt {attempt}: attempt {reg.attempt} held")
+        claim.newest[rank] = max(attempt, claim.newest.get(rank, -1))
         claim.regs.pop(rank, None)
         claim.resolved.add(rank)
         return reg

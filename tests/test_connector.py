@@ -219,6 +219,47 @@ def test_a_decoder_request_asked_again_with_nothing_left_to_receive_is_abandoned
     assert not s.take_plan()
 
 
+class StubWorker:
+    """What PushConnectorWorker hands work to (a PushWorker), recorded."""
+
+    producer = None
+
+    def __init__(self):
+        self.calls, self.outcomes = [], []
+        self.decoder = self
+
+    def expect(self, *args, **kw):
+        self.calls.append(("expect", args[0], kw))
+
+    def cancel(self, key, reason):
+        self.calls.append(("cancel", key, reason))
+
+    def drain_outcomes(self):
+        out, self.outcomes = self.outcomes, []
+        return out
+
+
+def test_the_outcome_of_an_abandoned_request_is_not_reported_to_vllm():
+    # vLLM asserts on finished_recving for a request that is running (not waiting for KV)
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.connector_worker import PushConnectorWorker
+    from kv_push.common.decoder import Outcome
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16")
+    cw.worker = stub = StubWorker()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32, "dg"),
+                                Expect("r2", "t1", 0, "h", 1, (3, 4), 0, 32, "dg")]))
+    cw.handle(StepPlan(abandons=["r1"]))
+    assert stub.calls[0] == ("expect", "r1", {"prompt_digest": "dg"})
+    assert stub.calls[-1] == ("cancel", "r1", "request re-scheduled to compute locally")
+    stub.outcomes = [Outcome("r1", "released", "x"), Outcome("r2", "failed", "y")]
+    assert cw.get_finished() == (set(), {"r2"}, {"r2"})
+    assert cw.take_load_errors() == {3, 4}
+
+
 def test_connector_rejects_bad_extra_config_at_start_up():
     from kv_push.common.connector import KVPushConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

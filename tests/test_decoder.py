@@ -325,19 +325,43 @@ def test_an_unanswered_cancel_is_sent_again_with_back_off():
 
 
 def test_a_fence_that_outlives_its_bound_closes_the_lifeline_and_drops_the_producer():
+    # issue 9 item 4: after the bound the producer is treated as dead -- never just released
     b = Bench(cancel_retry_s=1.0, fence_timeout_s=20.0)
-    b.expect()
-    b.cancel()
+    b.expect("req-1")
+    b.expect("req-2", "t2", blocks=(4, 5))  # another request the same producer writes
+    b.cancel("req-1")
     b.clock.advance(19)
     b.d.step()
     assert b.outcomes() == [] and b.severed == []
     b.clock.advance(2)
-    b.d.step()  # gives up: closes the lifeline (the producer drops us) and drops the producer
+    b.d.step()  # gives up: closes the lifeline, so a live producer drops us and posts no more
     assert b.severed == ["P0"] and b.d.count("fence_timeouts") == 1
-    assert b.outcomes() == []  # released only once the producer is gone from the table
-    b.d.step()
+    b.lifelines["P0"]()  # our own closing, seen by the lifeline's watcher: not proof of death
+    b.d.step(2)
+    assert b.d.thread.peer("P0") is not None and b.outcomes() == []
+    # WRITEs it posted before it noticed may still land: the blocks stay fenced for another
+    # fence_timeout_s, then the producer is dropped
+    b.clock.advance(19)
+    b.d.step(2)
+    assert b.outcomes() == [] and b.d.thread.peer("P0") is not None
+    b.clock.advance(2)
+    b.d.step(3)
     assert b.d.thread.peer("P0") is None and b.d.transport.removed == ["P0"]
-    assert b.outcomes() == [Outcome("req-1", "released", "aborted")] and b.wants() == 0
+    assert sorted(b.outcomes(), key=lambda o: o.key) == [
+        Outcome("req-1", "released", "aborted"),
+        Outcome("req-2", "failed", "producer P rank 0 is dead")]
+    assert b.wants() == 0
+
+
+def test_an_answer_after_the_bound_still_ends_the_fence():
+    b = Bench(cancel_retry_s=1.0, fence_timeout_s=20.0)
+    b.expect()
+    b.cancel()
+    b.clock.advance(21)
+    b.d.step()
+    assert b.severed == ["P0"]
+    b.ack()
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
 
 
 def test_a_cancel_ack_waits_for_the_chunks_it_announces():
@@ -396,8 +420,20 @@ def test_a_new_attempt_keeps_the_old_one_fenced_and_reports_once():
     assert b.outcomes() == []  # the old blocks may still be written
     b.expect(attempt=1)  # the same attempt again: ignored
     b.ack(attempt=0)
-    assert b.outcomes() == [Outcome("req-1", "received")]
+    assert b.outcomes() == [Outcome("req-1", "received", attempt=1)]
     assert b.wants() == 0 and b.decoder.live()["parked"] == 0
+
+
+def test_an_attempt_superseded_after_its_outcome_went_out_is_told_apart():
+    # the engine re-allocated while the old attempt's outcome was on its way: the newest
+    # attempt still gets exactly one outcome, and the old one is marked as the old attempt's
+    b = Bench()
+    b.expect(attempt=0)
+    b.write_done()
+    b.expect(attempt=1, blocks=(4, 5))
+    b.write_done(attempt=1)
+    assert b.outcomes() == [Outcome("req-1", "received", attempt=0),
+                            Outcome("req-1", "received", attempt=1)]
 
 
 # -- handshakes ----------------------------------------------------------------------------------
