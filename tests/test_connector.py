@@ -260,6 +260,25 @@ def test_the_outcome_of_an_abandoned_request_is_not_reported_to_vllm():
     assert cw.take_load_errors() == {3, 4}
 
 
+def test_a_superseded_attempts_outcome_is_not_reported_to_vllm():
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.connector_worker import PushConnectorWorker
+    from kv_push.common.decoder import Outcome
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16")
+    cw.worker = stub = StubWorker()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32)]))
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 1, "h", 1, (5, 6), 0, 32)]))
+    stub.outcomes = [Outcome("r1", "received", attempt=0)]  # on its way before attempt 1
+    assert cw.get_finished() == (set(), set(), set())
+    stub.outcomes = [Outcome("r1", "failed", "x", attempt=1)]
+    assert cw.get_finished() == (set(), {"r1"}, {"r1"})
+    assert cw.take_load_errors() == {5, 6}
+
+
 def test_connector_rejects_bad_extra_config_at_start_up():
     from kv_push.common.connector import KVPushConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
