@@ -246,6 +246,13 @@ class Decoder:
             for rank in missing:
                 self._connect(remote, rank, remote.ports[rank])
             return
+        for rank in sorted(needed):
+            peer = self.ctx.peer(remote.rank_peers[rank])
+            if peer is not None and peer.silent and rank in writers:
+                # nothing advertised yet: fail now rather than register blocks with a producer
+                # that may be frozen
+                self._fail(want, f"producer rank {rank} is unresponsive")
+                return
         if want.num_tokens <= want.first_token:
             writers = set()  # nothing to receive: a registration only so the producer lets go
         want.state = "registered"  # from the first registration on, blocks may be written

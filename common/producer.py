@@ -88,8 +88,8 @@ def _chunk_bounds(lengths, max_bytes: int, max_regions: int) -> list[tuple[int, 
 class _Job:
     """One registration attempt's WRITE, posted in bounded chunks, one chunk per loop step (at
     its tick), so that the transfer thread keeps heartbeating and serving other peers during a
-    long copy (over UCX's CPU path the whole copy happens inside the post). Each chunk carries its own
-    ``WriteDone`` (``chunk`` i of ``chunks``); the decoder counts them all."""
+    long copy (over UCX's CPU path the whole copy happens inside the post). Each chunk carries
+    its own ``WriteDone`` (``chunk`` i of ``chunks``); the decoder counts them all."""
 
     pairing: Pairing
     started: float
@@ -133,6 +133,7 @@ class Producer:
         self.tombstones: dict[RequestKey, float] = {}  # requests whose source is gone -> when
         self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
         self._failures = itertools.count()
+        self._next_sweep = 0.0  # time-outs are applied at most this often (not every step)
 
     # -- handshake (called on this thread by the side channel through TransferThread.call) ---
     def accept_hello(self, hello: Hello) -> Welcome:
@@ -423,6 +424,9 @@ class Producer:
                 else:
                     self.ctx.release(h)
             self.orphans = still
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.ctx.config.rendezvous_ttl_s / 100)
         claims, sources = self.rdv.expire()
         for claim in claims:
             self.ctx.counters.inc("expired")

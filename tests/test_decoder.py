@@ -594,6 +594,9 @@ def test_a_silent_producer_fails_the_request_but_keeps_the_blocks_fenced():
     b.clock.advance(100)
     b.d.step()
     assert b.outcomes() == []  # still fenced
+    b.expect("req-2", "t2")  # a new request is not registered with a silent producer
+    assert b.outcomes() == [Outcome("req-2", "failed", "producer rank 0 is unresponsive")]
+    assert not any(isinstance(m, Register) for m in b.got())
     b.lifelines["P0"]()  # only its death frees the blocks
     b.d.step(2)
     assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is unresponsive")]

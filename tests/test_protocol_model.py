@@ -17,7 +17,9 @@ What the scheduler may do at each step (weighted at random):
   ``MAX_FLIGHT_S`` (the assumption ``fence_timeout_s`` rests on);
 * processes: step a worker; freeze one (no steps, no heartbeats: silence) and thaw it (a stall
   lasts at most ``MAX_STALL_S``); kill P or D (their side-channel lifelines close; a dead P's
-  WRITEs never land afterwards);
+  WRITEs never land afterwards); mute a producer for longer than the fence bound (every
+  notification it sends is lost, its WRITEs still go out) -- the case where a decoder gives up
+  on it, closes its lifeline (the close reaches P within ``MAX_DELAY_S``) and drops it;
 * time advances (heartbeat time-outs, transfer time-outs, cancel re-sends, fence bound, TTLs).
 
 The timing bounds are the assumptions ``fence_timeout_s`` rests on (see ``decoder.py``): a
@@ -31,7 +33,9 @@ network, well past every time-out):
 1. no WRITE lands in a decoder block that is not owned, at that moment, by the registration the
    WRITE was for (freed, reused by another request, or another attempt's): per (D rank, block)
    the owner is tracked from allocation to the rank's outcome;
-2. exactly one outcome per expected key on every live decoder rank; a "received" request has
+2. exactly one outcome per key and attempt on every live decoder rank, and one for the newest
+   attempt of every expected key (an older attempt's outcome, if one went out before the new
+   attempt reached the decoder, is dropped as the engine drops it); a "received" request has
    every block written by every producer rank that writes to it, with KV of its own prompt;
 3. the producer never frees a source while a WRITE still reads it (unless its decoder is dead),
    and frees every source exactly once;
@@ -50,7 +54,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 
@@ -58,7 +62,7 @@ from kv_push.common import geometry as G
 from kv_push.common.config import PushConfig
 from kv_push.common.decoder import Decoder
 from kv_push.common.layout import writer_ranks
-from kv_push.common.messages import Codec, Heartbeat, MessageRejected, Welcome, WriteDone
+from kv_push.common.messages import Codec, MessageRejected, Welcome, WriteDone
 from kv_push.common.metrics import Counters
 from kv_push.common.producer import Producer
 from kv_push.common.side_channel import HandshakeError
@@ -192,6 +196,7 @@ class PReq:
     capacity: int
     state: str = "new"  # new | prefilled | failed | released
     blocks: tuple[int, ...] = ()
+    released_by: set[int] = field(default_factory=set)  # P ranks that released it
 
 
 @dataclass
@@ -232,7 +237,8 @@ class Model:
             self.producers.append(prod)
         self.decoders = []
         for w in self.D:
-            dec = Decoder(w.thread, handshake_fn=self._handshake_for(w), executor=InlineExecutor())
+            dec = Decoder(w.thread, handshake_fn=self._handshake_for(w),
+                          executor=InlineExecutor())
             w.thread.add_role(dec)
             self.decoders.append(dec)
         # lifelines: (d_rank, p_rank) -> (welcome, d-side on_closed)
@@ -240,13 +246,12 @@ class Model:
         # engines
         self.preqs: list[PReq] = []
         self.dreqs: list[DReq] = []
-        self.p_free = {r: list(range(NUM_BLOCKS)) for r in range(self.p_tp)}  # same on ranks
+        self.p_free = list(range(NUM_BLOCKS))  # same block ids on every P rank
         self.p_owner: dict[int, str] = {}  # P block -> P request key (all P ranks alike)
         self.d_free = list(range(NUM_BLOCKS))  # same block ids on every D rank
         self.d_owner: dict[tuple[int, int], tuple[str, int] | None] = {}  # (rank, blk) -> reg
         self.d_data: dict[tuple[int, int], dict[int, tuple[str, tuple[str, int]]]] = {}
-        self.release_outcomes: dict[tuple[int, str], int] = {}
-        self.outcome_count: dict[tuple[int, str], int] = {}
+        self.outcome_count: dict[tuple[int, str, int], int] = {}  # (D rank, key, attempt)
         self.violation: Violation | None = None
         self.losses: dict[tuple, int] = {}
         self.closures: list[tuple[float, int, int]] = []  # (due, p_rank, d_rank)
@@ -321,9 +326,10 @@ class Model:
         """Record a violation and raise it. Raised inside a role's call (through the transport)
         the roles' own guards would swallow it, so ``run`` re-raises the first one recorded."""
         if self.violation is None:
-            self.violation = Violation(f"seed {self.seed}: {what}\n  (P TP {self.p_tp}, D TP {self.d_tp}, "
-                        f"loss {self.loss}, dup {self.dup})\n  last actions:\n    "
-                        + "\n    ".join(self.trace[-40:]))
+            self.violation = Violation(
+                f"seed {self.seed}: {what}\n  (P TP {self.p_tp}, D TP {self.d_tp}, "
+                f"loss {self.loss}, dup {self.dup})\n  last actions:\n    "
+                + "\n    ".join(self.trace[-40:]))
         raise self.violation
 
     # -- model NIXL ----------------------------------------------------------------------------
@@ -411,8 +417,8 @@ class Model:
                 w.thread.submit(lambda p=prod: p.prefill_failed(
                     preq.tid, "aborted", prompt_digest=preq.digest, capacity=preq.capacity))
             return
-        blocks = tuple(self.p_free[0][:BLOCKS_PER_PROMPT])
-        del self.p_free[0][:BLOCKS_PER_PROMPT]
+        blocks = tuple(self.p_free[:BLOCKS_PER_PROMPT])
+        del self.p_free[:BLOCKS_PER_PROMPT]
         for b in blocks:
             self.p_owner[b] = preq.key
         preq.state, preq.blocks = "prefilled", blocks
@@ -496,16 +502,14 @@ class Model:
                     and not self.D[f.d_rank].dead
                     and w.thread.peer(f"D{f.d_rank}") is not None):
                 self.fail(f"P{w.rank} released {key} while a WRITE to a live D{f.d_rank} reads it")
-        done = getattr(preq, "released_by", set())
-        if w.rank in done:
+        if w.rank in preq.released_by:
             self.fail(f"P{w.rank} released {key} twice")
-        done.add(w.rank)
-        preq.released_by = done
-        if done >= {p.rank for p in self.P if not p.dead}:
+        preq.released_by.add(w.rank)
+        if preq.released_by >= {p.rank for p in self.P if not p.dead}:
             preq.state = "released"
             for b in preq.blocks:
                 del self.p_owner[b]
-            self.p_free[0].extend(preq.blocks)
+            self.p_free.extend(preq.blocks)
 
     def d_outcome(self, w: Worker, o) -> None:
         self.note(f"D{w.rank} outcome {o.key}@{o.attempt}: {o.kind} {o.reason}")
@@ -625,9 +629,10 @@ class Model:
                 self.settle_overdue()
             elif r < 0.97 and live:
                 w = rng.choice(live)
-                w.frozen = not w.frozen and rng.random() < 0.5
-                w.thaw_at = self.clock.t + MAX_STALL_S
-                self.note(f"{w.name} {'frozen' if w.frozen else 'awake'}")
+                frozen = not w.frozen and rng.random() < 0.5
+                if frozen != w.frozen:
+                    w.frozen, w.thaw_at = frozen, self.clock.t + MAX_STALL_S
+                    self.note(f"{w.name} {'frozen' if w.frozen else 'awake'}")
             elif r >= 0.97:
                 if self.kill_p and not self.P[0].dead and rng.random() < 0.3:
                     self.kill(rng.choice(self.P))
@@ -702,7 +707,8 @@ class Model:
                     self.fail(f"D{w.rank}: {got} outcomes for {key}@{attempt} (expected "
                               f"{expected})")
         if not any(w.dead for w in self.D) and len(self.d_free) != NUM_BLOCKS:
-            self.fail(f"D blocks still allocated: {sorted(set(range(NUM_BLOCKS)) - set(self.d_free))}")
+            held = sorted(set(range(NUM_BLOCKS)) - set(self.d_free))
+            self.fail(f"D blocks still allocated: {held}")
 
 
 def _peek(data: bytes):
