@@ -37,7 +37,8 @@ class PushConfig:
     #: neuron: LIBFABRIC). p5en over EFA: ("LIBFABRIC",).
     nixl_backends: tuple[str, ...] = ()
     #: liveness interval: 4 heartbeats go out per interval; a peer silent for 1.5 intervals is
-    #: declared dead (process death is seen at once through the side-channel lifeline)
+    #: *unresponsive*: its transfers are failed, but it is not taken for dead (blocks it may
+    #: write stay fenced) -- only its side-channel lifeline closing proves death
     heartbeat_interval_s: float = 5.0
     #: a registration or prefill that never finds its other half is dropped after this long
     rendezvous_ttl_s: float = 120.0
@@ -45,6 +46,12 @@ class PushConfig:
     transfer_timeout_s: float = 60.0
     #: a handshake with a peer must finish within this
     handshake_timeout_s: float = 5.0
+    #: a decoder re-sends an unanswered ``Cancel`` after this long, then doubling (up to 8x)
+    cancel_retry_s: float = 1.0
+    #: a decoder keeps blocks fenced at most this long for a producer that neither answers the
+    #: cancel nor dies; then it treats it as dead: closes its lifeline, drops it, frees the blocks
+    #: (this bounds how long a WRITE may stay in flight)
+    fence_timeout_s: float = 30.0
     #: HMAC key for control messages and router-signed transfer parameters; empty disables
     #: authentication. Set from the environment only (see the module docstring).
     secret: bytes = field(default=b"", repr=False)
@@ -69,13 +76,16 @@ class PushConfig:
     def validate(self) -> "PushConfig":
         for name in (
             "heartbeat_interval_s", "rendezvous_ttl_s", "transfer_timeout_s",
-            "handshake_timeout_s", "idle_poll_s",
+            "handshake_timeout_s", "idle_poll_s", "cancel_retry_s", "fence_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.max_side_channel_connections < 1:
             raise ConfigError("max_side_channel_connections must be at least 1, got "
                               f"{self.max_side_channel_connections!r}")
+        if self.fence_timeout_s <= self.cancel_retry_s:
+            raise ConfigError(f"fence_timeout_s ({self.fence_timeout_s}) must exceed "
+                              f"cancel_retry_s ({self.cancel_retry_s})")
         if self.max_post_bytes <= 0 or self.max_post_regions <= 0:
             raise ConfigError("max_post_bytes and max_post_regions must be positive")
         if not 0 <= self.side_channel_port < 65536:

@@ -15,6 +15,11 @@ It runs in vLLM's scheduler (engine-core) process and never touches NIXL. Each s
   it in ``finished_recving``, which they do only once no producer can still write into them.
   A full local prefix hit (nothing to receive) still tells the producer, so it frees its blocks.
 
+Identity: vLLM splits a client request with a prompt list or ``n > 1`` into several engine
+requests that share ``kv_transfer_params``. Both halves therefore name a request's prompt by
+``prompt_digest`` (a digest of its token ids, the same on P and D) and the decoder registers
+under its own engine request id, so each decoder request gets the KV of its own prompt.
+
 The request-level parameters come from the router (see ``TransferParams``). With a secret they
 count only when the router signed them (``auth.verify_transfer_params``): otherwise the request
 is served without KV transfer (a decoder prefills locally, a producer frees its blocks as usual),
@@ -24,8 +29,10 @@ client chose, a producer never holds blocks a client asked it to.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -38,6 +45,10 @@ logger = logging.getLogger(__name__)
 RELEASE_KEY_PREFIX = "release:"
 
 
+#: the most decoder requests one prefill may serve (``fanout``)
+MAX_FANOUT = 1024
+
+
 class TransferParamsError(ValueError):
     """``reason``: the metrics label (``bad_transfer_params``, or a signature problem:
     ``unsigned_transfer_params``, ``bad_transfer_params_signature``,
@@ -48,11 +59,22 @@ class TransferParamsError(ValueError):
         self.reason = reason
 
 
+def prompt_digest(token_ids: Any) -> str:
+    """A short digest of a prompt's token ids: what P and D both know one prompt by. ``""``
+    when the request has no token ids (prompt embeddings): such prompts of one transfer then
+    pool together."""
+    if token_ids is None:
+        return ""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
+
+
 @dataclass(frozen=True)
 class TransferParams:
     """What the router puts in a request's ``kv_transfer_params``.
 
-    Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``.
+    Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``, optionally with
+    ``"fanout": n``: each prefill of this leg serves ``n`` decoder requests of the same prompt
+    (the router sends P one sample while D samples ``n``; default 1).
     Decoder leg:  ``{"transfer_id": tid, "do_remote_prefill": true, "remote_host": h,
     "remote_port": p}`` where ``h:p`` is the producer's handshake side channel (rank 0).
     With a secret, both also carry the router's signature under ``kv_push_sig``.
@@ -63,6 +85,7 @@ class TransferParams:
     do_remote_prefill: bool = False
     remote_host: str = ""
     remote_port: int = 0
+    fanout: int = 1
 
     @classmethod
     def parse(cls, raw: Any, secret: bytes = b"", now: float | None = None
@@ -87,8 +110,14 @@ class TransferParams:
                 raise TransferParamsError(f"remote_port must be a port, got {port!r}") from None
             if not 0 < port < 65536:
                 raise TransferParamsError(f"remote_port must be a port, got {port!r}")
-        params = cls(tid, decode, prefill, host or "", int(port or 0))
+        fanout = raw.get("fanout", 1)
+        if isinstance(fanout, bool) or not isinstance(fanout, int) or not (
+                1 <= fanout <= MAX_FANOUT):
+            raise TransferParamsError(f"fanout must be an integer in [1, {MAX_FANOUT}], "
+                                      f"got {fanout!r}")
+        params = cls(tid, decode, prefill, host or "", int(port or 0), fanout)
         if secret:
+            # the signature covers what makes a server dial or hold blocks (not ``fanout``)
             try:
                 verify_transfer_params(
                     raw.get(SIG_KEY), secret, transfer_id=params.transfer_id,
@@ -106,6 +135,18 @@ class PrefillReady:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    prompt_digest: str = ""
+    capacity: int = 1  # decoder requests it serves (the P leg's fanout)
+
+
+@dataclass(frozen=True)
+class PrefillAborted:
+    """A producer request that ended without a usable prefill."""
+
+    req_id: str
+    transfer_id: str
+    prompt_digest: str = ""
+    capacity: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,6 +159,7 @@ class Expect:
     block_ids: tuple[int, ...]
     first_token: int
     num_tokens: int
+    prompt_digest: str = ""
 
 
 @dataclass
@@ -125,20 +167,24 @@ class StepPlan:
     """The per-step payload; the connector wraps it in vLLM's metadata class."""
 
     prefills: list[PrefillReady] = field(default_factory=list)
-    prefill_aborts: list[str] = field(default_factory=list)
+    prefill_aborts: list[PrefillAborted] = field(default_factory=list)
     expects: list[Expect] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    #: decoder requests vLLM no longer waits for (re-scheduled to compute locally): fence and
+    #: release their blocks, but report nothing
+    abandons: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels)
+        return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels
+                    or self.abandons)
 
 
 @dataclass
 class _Waiting:
     params: TransferParams
     local_tokens: int = 0
-    staged: bool = False  # an Expect went out for the current attempt
-    attempt: int = -1
+    staged: bool = False  # an Expect went out for the current allocation
+    attempt: int = -1  # the newest attempt staged (-1: none yet)
 
 
 class PushScheduler:
@@ -191,6 +237,18 @@ class PushScheduler:
         prompt = len(request.prompt_token_ids or ())
         count = prompt - num_computed_tokens
         w = self._waiting.setdefault(request.request_id, _Waiting(params))
+        if w.staged:
+            # Asked again while an attempt is out: vLLM dropped that allocation (preemption,
+            # reset). The decoder keeps the old blocks fenced; the next allocation is the next
+            # attempt under the same request id, and the request hears one outcome.
+            w.staged = False
+            if count <= 0:
+                # nothing left to receive: stop waiting for the old attempt, whose outcome no
+                # longer concerns vLLM (the request now runs on its local prefix)
+                self._plan.abandons.append(request.request_id)
+                self._waiting.pop(request.request_id, None)
+                self._received.add(request.request_id)
+                return 0, False
         w.local_tokens = num_computed_tokens
         if count <= 0:
             return 0, False
@@ -205,11 +263,12 @@ class PushScheduler:
         p = w.params
         w.staged = True
         w.attempt += 1
+        digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if num_external_tokens <= 0:
             # nothing to receive (full local hit): let the producer free its blocks now
             self._plan.expects.append(Expect(
                 RELEASE_KEY_PREFIX + request.request_id, p.transfer_id, w.attempt, p.remote_host,
-                p.remote_port, (), w.local_tokens, w.local_tokens))
+                p.remote_port, (), w.local_tokens, w.local_tokens, digest))
             self._waiting.pop(request.request_id, None)
             self._received.add(request.request_id)
             return
@@ -221,7 +280,7 @@ class PushScheduler:
                 f"{first} cannot hold {num_external_tokens} tokens (block size {self.block_size})")
         self._plan.expects.append(Expect(
             request.request_id, p.transfer_id, w.attempt, p.remote_host, p.remote_port,
-            tuple(block_ids[:need]), first, first + num_external_tokens))
+            tuple(block_ids[:need]), first, first + num_external_tokens, digest))
 
     def on_recv_finished(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
@@ -250,23 +309,27 @@ class PushScheduler:
                 w = _Waiting(params)
         if w is not None:
             # a decoder request that ends before its KV arrived
-            if w.staged:
+            if w.attempt >= 0:
                 self._plan.cancels.append(rid)  # vLLM holds the blocks until we report it
             else:
                 p = w.params  # never allocated: still let the producer free its blocks
-                self._plan.expects.append(Expect(RELEASE_KEY_PREFIX + rid, p.transfer_id, 0,
-                                                 p.remote_host, p.remote_port, (), 0, 0))
+                self._plan.expects.append(Expect(
+                    RELEASE_KEY_PREFIX + rid, p.transfer_id, 0, p.remote_host, p.remote_port,
+                    (), 0, 0, prompt_digest(getattr(request, "prompt_token_ids", None))))
             return False, None
         if not self.is_producer:
             return False, None
         params = self._params(request)
         if params is None or not params.do_remote_decode:
             return False, None
+        digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if not finished_ok or not block_ids:
-            self._plan.prefill_aborts.append(params.transfer_id)
+            self._plan.prefill_aborts.append(
+                PrefillAborted(rid, params.transfer_id, digest, params.fanout))
             return False, None
         self._plan.prefills.append(PrefillReady(rid, params.transfer_id, tuple(block_ids),
-                                                int(request.num_computed_tokens)))
+                                                int(request.num_computed_tokens), digest,
+                                                params.fanout))
         self._held.add(rid)
         return True, {"transfer_id": params.transfer_id}
 

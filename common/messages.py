@@ -24,7 +24,13 @@ Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` chan
        release that cannot be paired with ours is refused at the handshake (``nixl_compat``);
        handshake opens with the producer's ``Challenge``; Hello and Welcome carry nonces
        (``nonce``, ``reply_to``); ``Envelope`` carries a sequence number; the MAC binds sender,
-       receiver and sequence; a receiver without a secret refuses MAC'd frames.
+       receiver and sequence; a receiver without a secret refuses MAC'd frames;
+       transfer identity per engine request: ``Register`` carries ``reg_id`` (the decoder's engine
+       request id; attempts of one request share it) and ``prompt_digest`` (the rendezvous key is
+       transfer id + digest); ``WriteDone``, ``Cancel``, ``CancelAck`` and ``TransferFailed``
+       carry ``reg_id``; ``CancelAck`` and ``TransferFailed`` carry ``chunks_done``, the number of
+       WRITE chunks of that attempt whose ``WriteDone`` the decoder must still see before it may
+       release the blocks.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from .geometry import KVGeometry
 
 PROTOCOL_VERSION = 2
 
+#: longest ``reg_id`` / ``prompt_digest`` accepted on the wire
+MAX_ID_CHARS = 256
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True, kw_only=True):
     """P worker -> D worker (side channel, first frame): a fresh nonce the Hello must answer."""
@@ -86,12 +94,20 @@ class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
 class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
     """D -> P: write the prompt's KV for ``transfer_id`` into these blocks of mine.
 
+    One client request may become several engine requests that share ``transfer_id`` (a prompt
+    list, ``n > 1``): the producer pairs a registration with a prefill of the same
+    ``(transfer_id, prompt_digest)`` (a digest of the prompt's token ids), and ``reg_id`` (the
+    decoder's engine request id, unique per decoder engine) tells that request's registrations
+    apart; a re-issued request keeps its ``reg_id`` and raises ``attempt``.
+
     ``block_ids[j]`` holds tokens ``first_token + j * block_size`` onward (D's block size);
     tokens below ``first_token`` D already has (its own prefix cache). ``geometry_digest`` names
     the geometry D sent in its Hello, so a registration can never be mapped with a stale layout.
     """
 
     transfer_id: str
+    reg_id: str
+    prompt_digest: str
     attempt: int
     engine_id: str
     tp_rank: int
@@ -108,6 +124,7 @@ class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     rank once it has seen all ``chunks`` notices."""
 
     transfer_id: str
+    reg_id: str
     attempt: int
     engine_id: str
     tp_rank: int
@@ -117,9 +134,15 @@ class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
-    """D -> P: do not write into this registration's blocks (D aborted or no longer needs them)."""
+    """D -> P: do not write into this registration's blocks (D aborted or no longer needs them).
+
+    The decoder re-sends it (with back-off) until acknowledged; the producer answers every copy.
+    ``prompt_digest`` lets a producer that never saw the registration (lost, or still on its
+    way) account for the request all the same."""
 
     transfer_id: str
+    reg_id: str
+    prompt_digest: str
     attempt: int
     engine_id: str
     tp_rank: int
@@ -127,22 +150,33 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
 
 
 class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True, kw_only=True):
-    """P -> D: no WRITE into that registration is in flight or will ever be issued."""
+    """P -> D: no WRITE into that registration is in flight or will ever be issued.
+
+    ``chunks_done`` WRITE chunks of that attempt completed before: their ``WriteDone`` notices
+    may still be on their way (a local DONE does not prove remote delivery on every transport),
+    so the decoder keeps the blocks until it has seen that many."""
 
     transfer_id: str
+    reg_id: str
     attempt: int
     engine_id: str
     tp_rank: int
+    chunks_done: int = 0
 
 
 class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
-    """P -> D: the transfer cannot complete (WRITE not posted or failed, bad registration)."""
+    """P -> D: the transfer cannot complete (WRITE not posted or failed, bad registration).
+
+    Sent only once no WRITE chunk of that attempt is in flight; ``chunks_done`` as in
+    ``CancelAck``."""
 
     transfer_id: str
+    reg_id: str
     attempt: int
     engine_id: str
     tp_rank: int
     reason: str
+    chunks_done: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):
@@ -291,16 +325,24 @@ def _check_sane(msg: Message) -> None:
     if isinstance(msg, Challenge):
         if len(msg.nonce) != NONCE_BYTES:
             raise MessageRejected("invalid", f"challenge nonce of {len(msg.nonce)} bytes")
-    elif isinstance(msg, Register):
-        if msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token:
+    if isinstance(msg, (Register, WriteDone, Cancel, CancelAck, TransferFailed)):
+        if not msg.transfer_id or not msg.reg_id:
+            raise MessageRejected("invalid", f"{type(msg).__name__}: empty transfer or reg id")
+        if len(msg.reg_id) > MAX_ID_CHARS or msg.attempt < 0:
+            raise MessageRejected("invalid", f"{type(msg).__name__}: reg id or attempt")
+    if isinstance(msg, (Register, Cancel)) and len(msg.prompt_digest) > MAX_ID_CHARS:
+        raise MessageRejected("invalid", "prompt digest too long")
+    if isinstance(msg, Register):
+        if msg.first_token < 0 or msg.num_tokens < msg.first_token:
             raise MessageRejected("invalid", f"registration token range {msg!r}")
         if any(b < 0 for b in msg.block_ids):
             raise MessageRejected("invalid", "negative block id")
-        if not msg.transfer_id:
-            raise MessageRejected("invalid", "empty transfer id")
     elif isinstance(msg, WriteDone):
         if msg.chunks < 1 or not 0 <= msg.chunk < msg.chunks or msg.num_bytes < 0:
             raise MessageRejected("invalid", f"write notice chunk {msg.chunk} of {msg.chunks}")
+    elif isinstance(msg, (CancelAck, TransferFailed)):
+        if msg.chunks_done < 0:
+            raise MessageRejected("invalid", f"negative chunks_done {msg.chunks_done}")
     elif isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()

@@ -132,13 +132,23 @@ def _refuse_quietly(sock: socket.socket, codec: Codec, reason: str) -> None:
         pass
 
 
+def sever(sock: socket.socket) -> None:
+    """Close a lifeline from our side: the peer sees us gone (and our watcher sees it closed)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
 def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
-              on_closed: Callable[[Welcome], None] | None = None) -> Welcome:
+              on_closed: Callable[[Welcome], None] | None = None,
+              on_open: Callable[[Callable[[], None]], None] | None = None) -> Welcome:
     """Decoder side: introduce ourselves to the producer worker at host:port.
 
     ``hello``'s ``nonce`` and ``reply_to`` are filled in here. With ``on_closed`` the connection
     stays open as a lifeline, watched by a daemon thread that calls ``on_closed(welcome)`` when
-    the producer goes away.
+    the producer goes away; ``on_open`` (if given) first gets a callable that severs that
+    lifeline from our side.
     """
     sock = None
     where = f"{host}:{port}"
@@ -188,6 +198,8 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
     if on_closed is None:
         sock.close()
     else:
+        if on_open is not None:
+            on_open(lambda: sever(sock))
         threading.Thread(target=hold_lifeline, args=(sock, lambda: on_closed(reply)),
                          name=f"kv-push-lifeline-{host}:{port}", daemon=True).start()
     return reply

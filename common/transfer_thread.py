@@ -9,11 +9,16 @@ Everything that touches the agent runs here; everything else only hands work in.
    raised), note the sender as alive, and route the message to the roles that handle its type;
 3. let each role ``tick`` (poll in-flight WRITEs, time-outs) and keep liveness: heartbeats go to
    every peer four times per ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s``
-   (1.5 intervals) is declared
-   dead, told goodbye, removed from the agent, and each role is told. Over a transport whose
-   first call to a peer waits for that peer's own handshake (``first_call_waits_for_peer``:
-   NIXL LIBFABRIC from 1.4.0, up to 60 s), heartbeats and goodbyes go only to peers heard from,
-   so that wait never lands on this thread for a peer that is gone or never loaded us;
+   (1.5 intervals) is marked *unresponsive* and each role's ``on_peer_silent`` is told once
+   (until it speaks again). Silence is not proof of death -- a frozen process may still hold a
+   WRITE in flight -- so the peer stays in the table (still heartbeated, its messages still
+   handled). A peer is dropped (removed from the agent, each role's ``on_peer_dead`` told) only
+   on proof: its lifeline closed (``peer_lost``), it said goodbye, or a role gave up on it
+   (``peer_lost`` too, after the role closed the lifeline itself);
+   over a transport whose first call to a peer waits for that peer's own handshake
+   (``first_call_waits_for_peer``: NIXL LIBFABRIC from 1.4.0, up to 60 s), heartbeats and
+   goodbyes go only to peers heard from, so that wait never lands on this thread for a peer that
+   is gone or never loaded us;
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
 
@@ -60,6 +65,7 @@ class Peer:
     last_heard: float
     address: tuple[str, int] | None = None  # a producer's side channel, as the decoder dialled it
     heard: bool = False  # a notification from it has arrived since it was added
+    silent: bool = False  # no message for peer_timeout_s (roles were told); cleared when it speaks
 
 
 class Role(Protocol):
@@ -79,7 +85,11 @@ class Role(Protocol):
         """True while work is in flight that needs the thread to spin rather than sleep."""
 
     def on_peer_dead(self, peer: Peer) -> None:
-        """``peer`` is gone (goodbye, silence, lifeline closed); it is no longer in the table."""
+        """``peer`` is gone (goodbye, lifeline closed); it is no longer in the table."""
+
+    def on_peer_silent(self, peer: Peer) -> None:
+        """``peer`` has been silent for ``peer_timeout_s``: unresponsive, not proven dead. It is
+        still in the table and may speak again (then ``peer.silent`` is cleared)."""
 
     def close(self) -> None:
         """The thread is stopping: release what the role holds in the transport."""
@@ -371,6 +381,10 @@ class TransferThread:
             return
         peer.last_heard = self.clock()
         peer.heard = True
+        if peer.silent:
+            peer.silent = False
+            logger.warning("kv_push: peer %s (engine %s rank %d) speaks again", peer.agent_name,
+                           peer.engine_id, peer.tp_rank)
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, Goodbye):
@@ -398,13 +412,15 @@ class TransferThread:
                     self.send(name, hb)
         timeout = self.config.peer_timeout_s
         for peer in list(self.peers.values()):
-            if now - peer.last_heard > timeout:
-                self.counters.inc("peers_dead")
-                # if it is only slow, it forgets us too rather than talk to a side that ignores it
-                if self._may_call(peer):
-                    self.send(peer.agent_name,
-                              Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank))
-                self.drop_peer(peer, f"silent for {now - peer.last_heard:.2f}s")
+            if not peer.silent and now - peer.last_heard > timeout:
+                peer.silent = True
+                self.counters.inc("peers_silent")
+                logger.warning("kv_push: peer %s (engine %s rank %d) silent for %.2fs: "
+                               "unresponsive (not taken for dead until its lifeline closes)",
+                               peer.agent_name, peer.engine_id, peer.tp_rank,
+                               now - peer.last_heard)
+                for role in self.roles:
+                    self._guard(role.on_peer_silent, peer, context=f"peer {peer.agent_name} silent")
 
     def _may_call(self, peer: Peer) -> bool:
         """May an unsolicited message go to ``peer`` now without waiting on its handshake?"""

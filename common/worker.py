@@ -115,26 +115,31 @@ class PushWorker:
         return self
 
     # -- producer --------------------------------------------------------------------------------
-    def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int) -> None:
+    def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int, *,
+                     prompt_digest: str = "", capacity: int = 1) -> None:
         producer = self._need(self.producer, "prefill_done")
         ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
-        self.thread.submit(lambda: producer.prefill_done(key, transfer_id, tuple(map(int, ids)),
-                                                         num_tokens))
+        self.thread.submit(lambda: producer.prefill_done(
+            key, transfer_id, tuple(map(int, ids)), num_tokens, prompt_digest=prompt_digest,
+            capacity=capacity))
 
-    def prefill_failed(self, transfer_id: str, reason: str = "aborted") -> None:
+    def prefill_failed(self, transfer_id: str, reason: str = "aborted", *,
+                       prompt_digest: str = "", capacity: int = 1) -> None:
         producer = self._need(self.producer, "prefill_failed")
-        self.thread.submit(lambda: producer.prefill_failed(transfer_id, reason))
+        self.thread.submit(lambda: producer.prefill_failed(
+            transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity))
 
     def drain_released(self) -> list[str]:
         return _drain(self.released)
 
     # -- decoder ---------------------------------------------------------------------------------
     def expect(self, key: str, transfer_id: str, attempt: int, address: tuple[str, int],
-               block_ids, first_token: int, num_tokens: int) -> None:
+               block_ids, first_token: int, num_tokens: int, *, prompt_digest: str = "") -> None:
         decoder = self._need(self.decoder, "expect")
         ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
         self.thread.submit(lambda: decoder.expect(key, transfer_id, attempt, address,
-                                                   tuple(map(int, ids)), first_token, num_tokens))
+                                                   tuple(map(int, ids)), first_token, num_tokens,
+                                                   prompt_digest=prompt_digest))
 
     def cancel(self, key: str, reason: str = "aborted") -> None:
         decoder = self._need(self.decoder, "cancel")

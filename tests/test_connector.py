@@ -12,6 +12,7 @@ from kv_push.common.connector_scheduler import (
     PushScheduler,
     TransferParams,
     TransferParamsError,
+    prompt_digest,
 )
 
 BS = 16
@@ -147,7 +148,135 @@ def test_producer_keeps_blocks_until_sent_and_reports_aborts():
     assert not s.has_pending_work()
     r2 = req("p2", dict(P_PARAMS, transfer_id="t2"))
     assert s.request_finished(r2, [1], finished_ok=False) == (False, None)
-    assert s.take_plan().prefill_aborts == ["t2"]
+    (abort,) = s.take_plan().prefill_aborts
+    assert (abort.req_id, abort.transfer_id, abort.capacity) == ("p2", "t2", 1)
+    assert abort.prompt_digest == prompt_digest(list(range(100)))
+
+
+def test_both_halves_name_a_prompt_by_the_same_digest():
+    # issue 9 item 1: a prompt list / n > 1 shares kv_transfer_params; the digest of the token ids
+    # tells the prompts apart and is the same on P and D
+    assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3)) != prompt_digest([1, 2, 4])
+    assert prompt_digest([]) != prompt_digest([0]) and prompt_digest(None) == ""
+    p, d = producer(), decoder()
+    prompts = {"a": list(range(100)), "b": list(range(1, 101))}
+    for name, ids in prompts.items():
+        r = req(f"p-{name}", dict(P_PARAMS), prompt_len=100, computed=100)
+        r.prompt_token_ids = ids
+        p.request_finished(r, [1, 2, 3, 4, 5, 6, 7], finished_ok=True)
+        r = req(f"d-{name}", dict(D_PARAMS), prompt_len=100)
+        r.prompt_token_ids = ids
+        d.get_num_new_matched_tokens(r, 0)
+        d.update_state_after_alloc(r, list(range(7)), 100)
+    pre = {x.req_id: x.prompt_digest for x in p.take_plan().prefills}
+    exp = {x.key: x.prompt_digest for x in d.take_plan().expects}
+    assert pre["p-a"] == exp["d-a"] != pre["p-b"] == exp["d-b"]
+
+
+@pytest.mark.parametrize("fanout", [0, -1, 1025, "2", 1.5, True])
+def test_bad_fanout_is_rejected(fanout):
+    with pytest.raises(TransferParamsError, match="fanout"):
+        TransferParams.parse(dict(P_PARAMS, fanout=fanout))
+
+
+def test_the_producer_legs_fanout_is_each_prefills_capacity():
+    s = producer()
+    r = req("p1", dict(P_PARAMS, fanout=4), computed=100)
+    s.request_finished(r, [1, 2, 3, 4, 5, 6, 7], finished_ok=True)
+    assert s.take_plan().prefills[0].capacity == 4
+    r2 = req("p2", dict(P_PARAMS, transfer_id="t2", fanout=3))
+    s.request_finished(r2, [], finished_ok=False)
+    assert s.take_plan().prefill_aborts[0].capacity == 3
+
+
+def test_a_decoder_request_asked_again_registers_a_new_attempt_under_its_id():
+    # issue 9 item 7: the connector always sent attempt 0
+    s = decoder()
+    r = req("r1", dict(D_PARAMS))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(7)), 100)
+    assert [(e.key, e.attempt) for e in s.take_plan().expects] == [("r1", 0)]
+    # vLLM dropped that allocation and schedules the request again
+    assert s.get_num_new_matched_tokens(r, 0) == (100, True)
+    s.update_state_after_alloc(r, list(range(10, 17)), 100)
+    (e,) = s.take_plan().expects
+    assert (e.key, e.attempt, e.block_ids) == ("r1", 1, tuple(range(10, 17)))
+    # ends before its KV arrived: the (current) attempt is cancelled, not a release-only one
+    s.request_finished(r, [], finished_ok=False)
+    assert s.take_plan().cancels == ["r1"]
+
+
+def test_a_decoder_request_asked_again_with_nothing_left_to_receive_is_abandoned():
+    s = decoder()
+    r = req("r1", dict(D_PARAMS), prompt_len=64)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(4)), 64)
+    s.take_plan()
+    assert s.get_num_new_matched_tokens(r, 64) == (0, False)  # now all cached locally
+    plan = s.take_plan()
+    assert plan.abandons == ["r1"] and not plan.expects and not plan.cancels
+    assert s.request_finished(r, [], finished_ok=True) == (False, None)
+    assert not s.take_plan()
+
+
+class StubWorker:
+    """What PushConnectorWorker hands work to (a PushWorker), recorded."""
+
+    producer = None
+
+    def __init__(self):
+        self.calls, self.outcomes = [], []
+        self.decoder = self
+
+    def expect(self, *args, **kw):
+        self.calls.append(("expect", args[0], kw))
+
+    def cancel(self, key, reason):
+        self.calls.append(("cancel", key, reason))
+
+    def drain_outcomes(self):
+        out, self.outcomes = self.outcomes, []
+        return out
+
+
+def test_the_outcome_of_an_abandoned_request_is_not_reported_to_vllm():
+    # vLLM asserts on finished_recving for a request that is running (not waiting for KV)
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.connector_worker import PushConnectorWorker
+    from kv_push.common.decoder import Outcome
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16")
+    cw.worker = stub = StubWorker()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32, "dg"),
+                                Expect("r2", "t1", 0, "h", 1, (3, 4), 0, 32, "dg")]))
+    cw.handle(StepPlan(abandons=["r1"]))
+    assert stub.calls[0] == ("expect", "r1", {"prompt_digest": "dg"})
+    assert stub.calls[-1] == ("cancel", "r1", "request re-scheduled to compute locally")
+    stub.outcomes = [Outcome("r1", "released", "x"), Outcome("r2", "failed", "y")]
+    assert cw.get_finished() == (set(), {"r2"}, {"r2"})
+    assert cw.take_load_errors() == {3, 4}
+
+
+def test_a_superseded_attempts_outcome_is_not_reported_to_vllm():
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.connector_worker import PushConnectorWorker
+    from kv_push.common.decoder import Outcome
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16")
+    cw.worker = stub = StubWorker()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32)]))
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 1, "h", 1, (5, 6), 0, 32)]))
+    stub.outcomes = [Outcome("r1", "received", attempt=0)]  # on its way before attempt 1
+    assert cw.get_finished() == (set(), set(), set())
+    stub.outcomes = [Outcome("r1", "failed", "x", attempt=1)]
+    assert cw.get_finished() == (set(), {"r1"}, {"r1"})
+    assert cw.take_load_errors() == {5, 6}
 
 
 def vllm_config(extra, role="kv_consumer"):

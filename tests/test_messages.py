@@ -78,16 +78,19 @@ def sample_messages() -> list[M.Message]:
                 geometry=make_geometry(tp_rank=0, token_order="HND"), compat_hash=M.COMPAT_HASH,
                 side_channel_ports=(5600, 5601), reply_to=b"\x07" * 16),
         Refused(reason="incompatible: geometry ünïcode"),
-        Register(transfer_id="tid-1", attempt=3, engine_id="dec-0", tp_rank=1,
-                 block_ids=(7, 0, 31, 2), first_token=16, num_tokens=70, geometry_digest=DIGEST),
-        Register(transfer_id="t", attempt=0, engine_id="", tp_rank=0, block_ids=(),
-                 first_token=0, num_tokens=0, geometry_digest=""),
-        WriteDone(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
-                  num_bytes=1 << 40),
-        Cancel(transfer_id="tid-1", attempt=2, engine_id="dec-0", tp_rank=1, reason="aborted"),
-        CancelAck(transfer_id="tid-1", attempt=2, engine_id="pre-0", tp_rank=0),
-        TransferFailed(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
-                       reason="WRITE failed"),
+        Register(transfer_id="tid-1", reg_id="cmpl-7-0", prompt_digest="9f2a44c1d0e3b6a7",
+                 attempt=3, engine_id="dec-0", tp_rank=1, block_ids=(7, 0, 31, 2),
+                 first_token=16, num_tokens=70, geometry_digest=DIGEST),
+        Register(transfer_id="t", reg_id="r", prompt_digest="", attempt=0, engine_id="",
+                 tp_rank=0, block_ids=(), first_token=0, num_tokens=0, geometry_digest=""),
+        WriteDone(transfer_id="tid-1", reg_id="cmpl-7-0", attempt=3, engine_id="pre-0",
+                  tp_rank=0, num_bytes=1 << 40),
+        Cancel(transfer_id="tid-1", reg_id="cmpl-7-0", prompt_digest="9f2a", attempt=2,
+               engine_id="dec-0", tp_rank=1, reason="aborted"),
+        CancelAck(transfer_id="tid-1", reg_id="cmpl-7-0", attempt=2, engine_id="pre-0",
+                  tp_rank=0, chunks_done=3),
+        TransferFailed(transfer_id="tid-1", reg_id="1_cmpl-7", attempt=3, engine_id="pre-0",
+                       tp_rank=0, reason="WRITE failed", chunks_done=0),
         Heartbeat(engine_id="pre-0", tp_rank=0, seq=2**63 - 1),
         Goodbye(engine_id="dec-0", tp_rank=1),
     ]
@@ -314,8 +317,9 @@ def test_wrong_mac_and_tampered_body():
             body[i] ^= 0x20
             assert reason_of(codec, envelope(env.version, bytes(body), env.mac)) == "bad_mac"
     # a forged Register with the right shape but without the key
-    forged = body_of(Register(transfer_id="x", attempt=9, engine_id="evil", tp_rank=0,
-                              block_ids=(1,), first_token=0, num_tokens=1, geometry_digest=""))
+    forged = body_of(Register(transfer_id="x", reg_id="x", prompt_digest="", attempt=9,
+                              engine_id="evil", tp_rank=0, block_ids=(1,), first_token=0,
+                              num_tokens=1, geometry_digest=""))
     assert reason_of(codec, envelope(PROTOCOL_VERSION, forged, mac_of(forged, b"guess"))) == "bad_mac"
 
 
@@ -370,8 +374,8 @@ def test_every_proper_prefix_of_a_frame_is_malformed():
                 assert reason_of(codec, frame[:n]) == "malformed"
 
 
-REG = Register(transfer_id="t", attempt=0, engine_id="d", tp_rank=0, block_ids=(0, 1),
-               first_token=0, num_tokens=20, geometry_digest=DIGEST)
+REG = Register(transfer_id="t", reg_id="r", prompt_digest="", attempt=0, engine_id="d",
+               tp_rank=0, block_ids=(0, 1), first_token=0, num_tokens=20, geometry_digest=DIGEST)
 
 
 @pytest.mark.parametrize("changes", [
@@ -383,11 +387,26 @@ REG = Register(transfer_id="t", attempt=0, engine_id="d", tp_rank=0, block_ids=(
     dict(num_tokens=-1, first_token=0),
     dict(attempt=-1),
     dict(transfer_id=""),
+    dict(reg_id=""),
+    dict(reg_id="r" * (M.MAX_ID_CHARS + 1)),
+    dict(prompt_digest="d" * (M.MAX_ID_CHARS + 1)),
 ], ids=repr)
 def test_invalid_register(changes):
     msg = msgspec.structs.replace(REG, **changes)
     for secret in (None, SECRET):
         assert reason_of(Codec(secret), Codec(secret).encode(msg)) == "invalid"
+
+
+@pytest.mark.parametrize("msg", [
+    CancelAck(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, chunks_done=-1),
+    TransferFailed(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, reason="",
+                   chunks_done=-1),
+    WriteDone(transfer_id="t", reg_id="", attempt=0, engine_id="p", tp_rank=0, num_bytes=1),
+    Cancel(transfer_id="t", reg_id="r", prompt_digest="", attempt=-1, engine_id="d", tp_rank=0,
+           reason=""),
+], ids=lambda m: type(m).__name__)
+def test_invalid_answers(msg):
+    assert reason_of(Codec(), Codec().encode(msg)) == "invalid"
 
 
 def test_valid_register_edges():
@@ -452,9 +471,18 @@ def test_rejection_carries_reason_and_detail():
 
 def oracle_invalid(msg) -> bool:
     """The semantic rules, restated independently of ``messages._check_sane``."""
+    per_registration = (Register, WriteDone, Cancel, CancelAck, TransferFailed)
+    if isinstance(msg, per_registration) and (
+            msg.transfer_id == "" or msg.reg_id == "" or msg.attempt < 0
+            or len(msg.reg_id) > M.MAX_ID_CHARS):
+        return True
+    if isinstance(msg, (Register, Cancel)) and len(msg.prompt_digest) > M.MAX_ID_CHARS:
+        return True
+    if isinstance(msg, (CancelAck, TransferFailed)):
+        return msg.chunks_done < 0
     if isinstance(msg, Register):
-        return (msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token
-                or any(b < 0 for b in msg.block_ids) or msg.transfer_id == "")
+        return (msg.first_token < 0 or msg.num_tokens < msg.first_token
+                or any(b < 0 for b in msg.block_ids))
     if isinstance(msg, Challenge):
         return len(msg.nonce) != 16
     if isinstance(msg, WriteDone):

@@ -192,7 +192,7 @@ class PeerServer:
     def inject(self, kind: str, fields: dict | None = None, raw: bytes | None = None,
                to_engine: str | None = None, times: int = 1) -> int:
         """Send ``messages.<kind>(**fields)`` (engine_id / tp_rank / geometry_digest default to
-        this worker's, sealed for each peer as the transfer thread would) or ``raw`` bytes as a
+        this worker's, reg_id to the transfer id, prompt_digest to "", sealed for each peer as the transfer thread would) or ``raw`` bytes as a
         NIXL notification to every known peer (or those of engine ``to_engine``), from the
         transfer thread; ``times`` > 1 sends the very same frame again (a replay). Returns how
         many notifications went out."""
@@ -205,6 +205,10 @@ class PeerServer:
                 data = bytes(raw)
             else:
                 f = {"engine_id": t.engine_id, "tp_rank": t.tp_rank, **(fields or {})}
+                if kind in ("Register", "WriteDone", "Cancel", "CancelAck", "TransferFailed"):
+                    f.setdefault("reg_id", f.get("transfer_id", ""))
+                if kind in ("Register", "Cancel"):
+                    f.setdefault("prompt_digest", "")
                 if kind == "Register":
                     f.setdefault("geometry_digest", M.geometry_digest(t.geometry))
                     f["block_ids"] = tuple(int(b) for b in f["block_ids"])
