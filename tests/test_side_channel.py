@@ -5,7 +5,8 @@ against a hand-driven socket, which can misbehave (say nothing, send junk, hang 
 or close the connection when the test says -- that is how the lifeline is exercised. A
 hand-driven socket speaks the protocol as it is: the producer opens with ``Challenge``, the
 decoder's Hello answers its nonce, the Welcome answers the Hello's (replayed nonces are tested in
-tests/test_auth.py). Waits have a generous bound that is only reached when something is broken; nothing asserts a duration.
+tests/test_auth.py). Waits have a generous bound that is only reached when something is broken;
+nothing asserts a duration.
 """
 
 from __future__ import annotations
