@@ -9,7 +9,12 @@ rendezvous, mapping, transfers) lives once in ``common/``. A backend answers:
   initialisation); raise ``BackendError`` with a clear message when it cannot run here;
 * ``device_id(tensor)`` -- the device id NIXL descriptors carry for a tensor of its KV cache;
 * ``verify_registration(geometry)`` -- after registering, check that the memory really is what
-  the backend claims (e.g. device memory rather than a silent host fallback).
+  the backend claims (e.g. device memory rather than a silent host fallback);
+* ``alloc_staging(nbytes, dev_id)`` -- (optional) memory for a staging pool of the staged
+  transfer path, of the backend's ``mem_type`` on device ``dev_id``: returns ``(address,
+  keepalive)``, the memory staying allocated while ``keepalive`` is referenced; raises
+  ``BackendError`` when it cannot. ``default_staging_bytes`` is the pool size the config's ``-1``
+  stands for (0: no pool unless configured). A backend without ``alloc_staging`` never stages.
 
 Choose with ``KV_PUSH_BACKEND=host|cuda|neuron``; unset, it is detected (neuron, then cuda, then
 host). ``describe_kv_caches`` turns the tensors vLLM hands the connector into a ``KVGeometry``
@@ -56,12 +61,18 @@ class KVBackend(Protocol):
     def verify_registration(self, geometry: KVGeometry) -> None: ...
 
 
+#: alignment of a staging pool's base (slots are aligned relative to it)
+STAGING_ALIGN = 4096
+
+
 class HostBackend:
     """KV cache in host DRAM (vLLM's CPU build, tests, the demo). Always available."""
 
     name = "host"
     mem_type = "DRAM"
     nixl_backends = ("UCX",)
+    #: host KV blocks are copied whole as large regions already: no pool unless configured
+    default_staging_bytes = 0
 
     @classmethod
     def available(cls) -> bool:
@@ -76,6 +87,20 @@ class HostBackend:
     def verify_registration(self, geometry: KVGeometry) -> None:
         if geometry.mem_type != "DRAM":
             raise BackendError(f"host backend got {geometry.mem_type} memory")
+
+    def alloc_staging(self, nbytes: int, dev_id: int = 0) -> tuple[int, Any]:
+        """``nbytes`` of host memory aligned to ``STAGING_ALIGN`` (a numpy buffer)."""
+        import numpy as np
+
+        if nbytes <= 0:
+            raise BackendError(f"a staging pool needs a positive size, got {nbytes}")
+        try:
+            buf = np.empty(nbytes + STAGING_ALIGN, dtype=np.uint8)
+        except MemoryError:
+            raise BackendError(f"cannot allocate {nbytes} bytes of host staging memory") from None
+        skip = -buf.ctypes.data % STAGING_ALIGN
+        view = buf[skip: skip + nbytes]
+        return int(view.ctypes.data), view
 
 
 def _load(spec: str) -> type:

@@ -22,6 +22,11 @@ register with the producer ranks that write to them (``writer_ranks``). A rank e
 Handshakes run on a small thread pool (or the ``executor`` given) with a time-out, so a producer
 that hangs delays only the requests that need it; their results come back through
 ``RoleContext.submit``.
+
+Staged transfers (``staged.py``): with a ``StagedReceiver`` the Hello announces the staging
+region, a registration carries a slot when one fits, staged notices are unpacked as they arrive,
+and a writer rank counts as arrived only once all its chunks are unpacked. A fenced request's
+outcome (and its slot) waits for unpacks still running, as it waits for WRITEs.
 """
 
 from __future__ import annotations
@@ -103,10 +108,12 @@ class Decoder:
 
     def __init__(self, ctx: RoleContext, *, max_handshakes: int = 8,
                  handshake_fn: Callable[..., Welcome] = handshake,
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, staged=None):
         """``handshake_fn`` has the signature of ``side_channel.handshake``; it runs on
-        ``executor`` (default: a pool of ``max_handshakes`` threads, shut down by ``close``)."""
+        ``executor`` (default: a pool of ``max_handshakes`` threads, shut down by ``close``).
+        ``staged``: a ``staged.StagedReceiver`` when this worker has a staging pool."""
         self.ctx = ctx
+        self.staged = staged
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.remotes: dict[Address, _Remote] = {}
         self.wants: dict[str, _Want] = {}  # key -> want
@@ -121,7 +128,8 @@ class Decoder:
         if self._hello is None:
             self._hello = Hello(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                                 agent_metadata=self.ctx.metadata(),
-                                geometry=self.ctx.geometry, compat_hash=COMPAT_HASH)
+                                geometry=self.ctx.geometry, compat_hash=COMPAT_HASH,
+                                staging=self.staged.region() if self.staged else None)
         return self._hello
 
     # -- engine events -------------------------------------------------------------------------
@@ -165,12 +173,13 @@ class Decoder:
                 self._connect(remote, rank, remote.ports[rank])
             return
         want.expected = set(writers) if want.num_tokens > want.first_token else set()
+        slot = self._reserve_slot(want, remote)
         for rank in sorted(needed):
             peer = remote.rank_peers[rank]
             reg = Register(transfer_id=want.transfer_id, attempt=want.attempt,
                            engine_id=self.ctx.engine_id, tp_rank=g.tp_rank,
                            block_ids=want.block_ids, first_token=want.first_token,
-                           num_tokens=want.num_tokens, geometry_digest=self.digest)
+                           num_tokens=want.num_tokens, geometry_digest=self.digest, slot=slot)
             if not self.ctx.send(peer, reg):
                 self._fail(want, f"could not notify producer rank {rank}")
                 return
@@ -179,6 +188,17 @@ class Decoder:
         want.resolved |= set(want.sent) - want.expected  # non-writers never write to us
         want.state = "registered"
         self._check(want)
+
+    def _reserve_slot(self, want: _Want, remote: _Remote):
+        """A staging slot for ``want`` (its writers all connected), or None: the region path."""
+        if self.staged is None or not want.expected:
+            return None
+        agents = [remote.rank_peers[r] for r in sorted(want.expected)]
+        peer = self.ctx.peer(agents[0])
+        if peer is None:
+            return None
+        return self.staged.reserve((want.transfer_id, want.attempt), agents, peer.geometry,
+                                   want.block_ids, want.first_token, want.num_tokens)
 
     def _connect(self, remote: _Remote, rank: int, port: int) -> None:
         if rank in remote.connecting:
@@ -230,6 +250,8 @@ class Decoder:
             self._on_handshake_failed(remote, rank, str(e))
             return
         self.ctx.counters.inc("handshakes")
+        if self.staged is not None:
+            self.staged.note_producer(peer.agent_name, welcome.staging)
         remote.engine_id = welcome.engine_id
         remote.rank_peers[rank] = peer.agent_name
         if rank == 0:
@@ -274,6 +296,10 @@ class Decoder:
         if isinstance(msg, WriteDone):
             if rank not in want.expected:
                 raise MessageRejected("unexpected", f"WriteDone from non-writer rank {rank}")
+            if msg.staged or (self.staged is not None and self.staged.staged_from(
+                    (want.transfer_id, want.attempt), rank)):
+                self._on_staged_chunk(want, rank, msg)
+                return
             seen = want.chunks_seen.setdefault(rank, set())
             seen.add(msg.chunk)
             if len(seen) == msg.chunks:
@@ -286,6 +312,38 @@ class Decoder:
             if want.state == "registered":
                 self._fail(want, f"producer rank {rank}: {msg.reason}")
         self._check(want)
+
+    def _on_staged_chunk(self, want: _Want, rank: int, msg: WriteDone) -> None:
+        """A staged notice (or a plain one from a rank that sent staged ones): unpack it."""
+        try:
+            if self.staged is None:
+                raise MessageRejected("unexpected", "staged notice, but this decoder has no "
+                                      "staging pool")
+            if want.chunks_seen.get(rank) or not msg.staged:
+                raise MessageRejected("invalid", f"producer rank {rank} mixes staged and "
+                                      "region notices")
+            self.staged.on_chunk((want.transfer_id, want.attempt), rank, msg,
+                                 unpack=want.state == "registered")
+        except MessageRejected as e:
+            if want.state == "registered":
+                self._fail(want, f"producer rank {rank}: {e}")
+            raise
+        self._staged_progress()
+
+    def _staged_progress(self) -> None:
+        """Writer ranks whose staged chunks are all unpacked have arrived; fenced requests whose
+        last unpack ended may finish."""
+        for (tid, attempt), ranks in self.staged.poll():
+            key = self.by_tid.get(tid)
+            want = self.wants.get(key) if key is not None else None
+            if want is None or want.attempt != attempt:
+                continue
+            want.arrived.update(ranks)
+            want.resolved.update(ranks)
+            self._check(want)
+
+    def _unpacking(self, want: _Want) -> bool:
+        return self.staged is not None and self.staged.unpacking((want.transfer_id, want.attempt))
 
     # -- state changes -------------------------------------------------------------------------
     def _fail(self, want: _Want, reason: str) -> None:
@@ -330,18 +388,23 @@ class Decoder:
             self.ctx.counters.inc("transfers_done")
             self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - want.started)
             self._finish(want, "received", "")
-        elif want.state == "fencing" and want.expected <= want.resolved:
+        elif want.state == "fencing" and want.expected <= want.resolved and \
+                not self._unpacking(want):
             self._finish(want, want.outcome, want.reason)
 
     def _finish(self, want: _Want, kind: str, reason: str) -> None:
         self.wants.pop(want.key, None)
         if self.by_tid.get(want.transfer_id) == want.key:
             del self.by_tid[want.transfer_id]
+        if self.staged is not None and not want.silent:
+            self.staged.release((want.transfer_id, want.attempt))
         if not want.silent:
             self.outcomes.put(Outcome(want.key, kind, reason))
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.staged is not None:
+            self._staged_progress()
         for want in list(self.wants.values()):
             if want.state != "fencing" and now > want.deadline:
                 self.ctx.counters.inc("expired")
@@ -351,10 +414,13 @@ class Decoder:
         # Waiting for WriteDone needs NIXL progress on this side, but polling every
         # idle_poll_s gives it: spinning here took a core from the producer's copy on small
         # hosts (benchmarks/results/transfer.md: push* vs push) for at most idle_poll_s less
-        # latency.
-        return False
+        # latency. Unpacks running on the device are polled by spinning, though: the request
+        # waits for them and no peer needs to make progress for them.
+        return self.staged is not None and self.staged.busy()
 
     def on_peer_dead(self, peer: Peer) -> None:
+        if self.staged is not None:
+            self.staged.forget_producer(peer.agent_name)
         for remote in list(self.remotes.values()):
             for rank, name in list(remote.rank_peers.items()):
                 if name == peer.agent_name:
@@ -375,4 +441,7 @@ class Decoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def live(self) -> dict[str, int]:
-        return {"wants": len(self.wants)}
+        out = {"wants": len(self.wants)}
+        if self.staged is not None:
+            out["staging_slots"] = self.staged.live()
+        return out

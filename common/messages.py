@@ -12,6 +12,10 @@ count.
 Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` changes with them):
   1 -- Hello/Welcome/Refused handshake, Register, WriteDone, Cancel, CancelAck, TransferFailed,
        Heartbeat, Goodbye.
+  2 -- staged transfers: Hello.staging (D's registered staging region), Welcome.staging (P can
+       stage), Register.slot (D's slot for this registration), WriteDone.staged/layer_lo/layer_hi
+       (a staged chunk and the layers it holds). All optional: a side that does not stage leaves
+       them at their defaults and the other side takes the region path.
 """
 
 from __future__ import annotations
@@ -25,17 +29,37 @@ import msgspec
 
 from .geometry import KVGeometry
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+
+class StagingRegion(msgspec.Struct, frozen=True, kw_only=True):
+    """D's staging pool as registered with its NIXL agent (same memory type and device as its
+    KV): slots are ``(offset, length)`` inside ``[base, base + length)``."""
+
+    base: int
+    length: int
+
+
+class Slot(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a staged registration's KV goes in D's staging region: ``length`` bytes at
+    ``offset`` from its base, laid out by ``staging.slot_layout`` and cut into chunks of
+    ``layers_per_chunk`` layers (``SlotLayout.chunks``), one WRITE and one notice each."""
+
+    offset: int
+    length: int
+    layers_per_chunk: int
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
-    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives."""
+    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives, and
+    (``staging``) my staging region, when I can receive staged transfers."""
 
     engine_id: str
     agent_name: str
     agent_metadata: bytes
     geometry: KVGeometry
     compat_hash: str
+    staging: StagingRegion | None = None
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
@@ -47,6 +71,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     geometry: KVGeometry
     compat_hash: str
     side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
+    staging: bool = False  # P can pack registrations that carry a slot (it has a staging pool)
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
@@ -61,6 +86,9 @@ class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
     ``block_ids[j]`` holds tokens ``first_token + j * block_size`` onward (D's block size);
     tokens below ``first_token`` D already has (its own prefix cache). ``geometry_digest`` names
     the geometry D sent in its Hello, so a registration can never be mapped with a stale layout.
+    ``slot``: D reserved a slot of its staging region for this registration; P may pack its KV
+    and WRITE it there instead of into the blocks (the region path stays valid: P takes it when
+    it cannot stage).
     """
 
     transfer_id: str
@@ -71,13 +99,16 @@ class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
     first_token: int
     num_tokens: int
     geometry_digest: str
+    slot: Slot | None = None
 
 
 class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     """P -> D, carried by each WRITE of a transfer: chunk ``chunk`` of ``chunks`` is written.
 
     A producer posts a long transfer in bounded chunks; the decoder has the KV of that producer
-    rank once it has seen all ``chunks`` notices."""
+    rank once it has seen all ``chunks`` notices. ``staged``: the chunk went into D's slot (not
+    its blocks) and holds layers ``[layer_lo, layer_hi)`` of this rank's sub-slice; D unpacks it
+    and has the KV once every chunk is unpacked."""
 
     transfer_id: str
     attempt: int
@@ -86,6 +117,9 @@ class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     num_bytes: int
     chunk: int = 0
     chunks: int = 1
+    staged: bool = False
+    layer_lo: int = 0
+    layer_hi: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
@@ -159,7 +193,7 @@ def _class_name(m: re.Match) -> str:
 
 def _compat_hash() -> str:
     parts = [str(PROTOCOL_VERSION)]
-    for cls in (KVGeometry, *Message.__args__):  # type: ignore[attr-defined]
+    for cls in (KVGeometry, StagingRegion, Slot, *Message.__args__):  # type: ignore[attr-defined]
         info = msgspec.inspect.type_info(cls)
         # a nested struct's repr names its class by module path, which is not part of the wire
         # format (``kv_push.common.geometry`` installed, ``common.geometry`` from a checkout)
@@ -232,14 +266,23 @@ def _check_sane(msg: Message) -> None:
             raise MessageRejected("invalid", "negative block id")
         if not msg.transfer_id:
             raise MessageRejected("invalid", "empty transfer id")
+        s = msg.slot
+        if s is not None and (s.offset < 0 or s.length <= 0 or s.layers_per_chunk < 1):
+            raise MessageRejected("invalid", f"registration slot {s!r}")
     elif isinstance(msg, WriteDone):
         if msg.chunks < 1 or not 0 <= msg.chunk < msg.chunks or msg.num_bytes < 0:
             raise MessageRejected("invalid", f"write notice chunk {msg.chunk} of {msg.chunks}")
+        if msg.staged and not 0 <= msg.layer_lo < msg.layer_hi:
+            raise MessageRejected("invalid", f"staged notice layers [{msg.layer_lo}, "
+                                  f"{msg.layer_hi})")
     elif isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()
         except ValueError as e:
             raise MessageRejected("invalid", f"geometry: {e}") from None
+        if isinstance(msg, Hello) and msg.staging is not None and (
+                msg.staging.base <= 0 or msg.staging.length <= 0):
+            raise MessageRejected("invalid", f"staging region {msg.staging!r}")
 
 
 def geometry_digest(geometry: KVGeometry) -> str:

@@ -18,6 +18,12 @@ Safety rules:
 * a WRITE that cannot be posted or fails is reported to the decoder at once (``TransferFailed``);
 * a registration for a transfer this worker already released is answered with
   ``TransferFailed`` at once, not left to the decoder's time-out.
+
+Staged transfers (``staged.py``): with a ``StagedSender``, a registration that carries a slot is
+packed into this worker's staging pool and WRITTEN chunk by chunk into the slot; the job is then
+the same ``_Job`` whose chunks are posted only once packed, and it is retired only once no pack
+still runs (the packs read the source blocks). Anything the sender cannot stage takes the region
+path.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -79,6 +85,7 @@ class _Job:
     handles: list = field(default_factory=list)
     ack_cancel: bool = False
     error: str = ""
+    staged: Any = None  # a staged.StagedSend: chunk i is posted once packed
 
 
 @dataclass
@@ -94,8 +101,10 @@ class Producer:
     handles = (Register, Cancel)
 
     def __init__(self, ctx: RoleContext, *, on_released: Callable[[str], None],
-                 side_channel_ports: tuple[int, ...] = ()):
+                 side_channel_ports: tuple[int, ...] = (), staged=None):
+        """``staged``: a ``staged.StagedSender`` when this worker has a staging pool."""
         self.ctx = ctx
+        self.staged = staged
         self.on_released = on_released
         self.side_channel_ports = side_channel_ports
         self.rdv = Rendezvous(ctx.config.rendezvous_ttl_s, clock=ctx.clock)
@@ -118,13 +127,17 @@ class Producer:
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
                           digest=geometry_digest(hello.geometry))
         self.ctx.counters.inc("handshakes")
+        stages = self.staged is not None and self.staged.accept(hello.agent_name, hello.staging)
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                        agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
-                       compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports)
+                       compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports,
+                       staging=stages)
 
     # -- engine events -------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids: tuple[int, ...],
-                     num_tokens: int) -> None:
+                     num_tokens: int, ready: Any = None) -> None:
+        """``ready``: an event after the prefill's KV writes (``StagedSender.marker``), which
+        packs of this source wait for."""
         if transfer_id in self.tombstones:
             # a re-issued prefill for a transfer already served: nothing will read it
             self.ctx.counters.inc("stale", label="prefill_after_release")
@@ -137,6 +150,8 @@ class Producer:
             self.ctx.counters.reject("stale", str(e), context="prefill")
             return
         self.sources[key] = source
+        if self.staged is not None:
+            self.staged.note_ready(key, ready)
         if displaced is not None:
             self.ctx.counters.inc("stale", label="prefill_superseded")
             self._maybe_release_source(displaced)
@@ -171,7 +186,8 @@ class Producer:
             self.ctx.counters.inc("stale", label="registration_after_release")
             return
         reg = Registration(msg.transfer_id, msg.attempt, peer.agent_name, msg.engine_id,
-                           msg.tp_rank, tuple(msg.block_ids), msg.first_token, msg.num_tokens)
+                           msg.tp_rank, tuple(msg.block_ids), msg.first_token, msg.num_tokens,
+                           slot=msg.slot)
         tr = self.transfers.setdefault(msg.transfer_id, _Transfer())
         if tr.decoder_engine not in (None, msg.engine_id):
             raise MessageRejected("conflict", f"{msg.transfer_id} registered by "
@@ -246,6 +262,15 @@ class Producer:
                        f"decoder wants {reg.num_tokens} tokens, prefill has {src.num_tokens}")
             tr.resolved.add(reg.tp_rank)
             return
+        jkey = (reg.transfer_id, reg.tp_rank, reg.attempt)
+        if reg.slot is not None and self.staged is not None:
+            send = self.staged.start(src, reg, peer)
+            if send is not None:
+                self.ctx.counters.inc("regions_written", len(send.chunks))
+                self.jobs[jkey] = _Job(pairing, reg.peer, started, send.length,
+                                       self.staged.posts(send, reg, peer), staged=send)
+                self._poll_job(jkey)
+                return
         try:
             plan = plan_writes(self.ctx.geometry, src.block_ids, peer.geometry, reg.block_ids,
                                first_token=reg.first_token, num_tokens=reg.num_tokens)
@@ -271,13 +296,12 @@ class Producer:
                 chunks=len(cuts)))
             pending.append((src_d[a:b], dst_d[a:b], notif))
         self.ctx.counters.inc("regions_written", plan.num_regions)
-        jkey = (reg.transfer_id, reg.tp_rank, reg.attempt)
         self.jobs[jkey] = _Job(pairing, reg.peer, started, plan.total_bytes, pending)
         self._poll_job(jkey)
 
     def _poll_job(self, jkey: tuple[str, int, int]) -> None:
         job = self.jobs[jkey]
-        if job.pending and not job.error and not job.ack_cancel:
+        if job.pending and not job.error and not job.ack_cancel and self._packed(job):
             src_d, dst_d, notif = job.pending.pop(0)
             g, peer = self.ctx.geometry, self.ctx.peer(job.peer)
             dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
@@ -288,14 +312,20 @@ class Producer:
         if "ERR" in states and not job.error:
             bad = job.handles[states.index("ERR")]
             job.error = self.ctx.failure_reason(bad)
+        if job.staged is not None and job.staged.error and not job.error:
+            job.error = job.staged.error
         if "PROC" in states or (job.pending and not job.error and not job.ack_cancel):
             return  # in flight, or more to post: nothing may be released yet
+        if job.staged is not None and not self.staged.idle(job.staged):
+            return  # a pack still reads the source blocks and writes the staging room
         del self.jobs[jkey]
         tid, d_rank, attempt = jkey
         reg = job.pairing.registration
         for h in job.handles:
             self.ctx.release(h)
-        if job.error:
+        if job.staged is not None:
+            self.staged.finish(job.staged, ok=not job.error and not job.pending)
+        if job.error and self.ctx.peer(job.peer) is not None:
             self._fail(job.peer, tid, attempt, job.error)
         elif not job.pending:
             self.ctx.counters.inc("transfers_done")
@@ -310,6 +340,10 @@ class Producer:
         self._maybe_release_source(job.pairing.source)
         self._maybe_finish(tid)
 
+    def _packed(self, job: _Job) -> bool:
+        """Whether ``job``'s next chunk may be posted (staged: its pack completed)."""
+        return job.staged is None or self.staged.packed(job.staged, len(job.handles))
+
     def _source_in_use(self, source: Source) -> bool:
         return any(j.pairing.source.key == source.key for j in self.jobs.values())
 
@@ -319,6 +353,8 @@ class Producer:
         if self.rdv.source(source.transfer_id) is source and source.transfer_id in self.rdv:
             return  # still the live source of its transfer
         del self.sources[source.key]
+        if self.staged is not None:
+            self.staged.forget(source.key)
         self.on_released(source.key)
 
     def _maybe_finish(self, tid: str) -> None:
@@ -368,15 +404,23 @@ class Producer:
             tr = self.transfers.get(reg.transfer_id)
             if tr is not None:
                 tr.resolved.add(reg.tp_rank)
+        if self.staged is not None:
+            self.staged.forget_peer(peer.agent_name)
         for jkey, job in list(self.jobs.items()):
             if job.peer == peer.agent_name:
                 # its memory is gone with it; stop tracking and let the source go
-                del self.jobs[jkey]
                 for h in job.handles:
                     self.ctx.release(h)
                 tr = self.transfers.get(jkey[0])
                 if tr is not None:
                     tr.resolved.add(jkey[1])
+                if job.staged is not None:
+                    # packs may still read the source: ``_poll_job`` retires it once they ran
+                    job.handles, job.pending = [], []
+                    job.error = job.error or f"decoder {peer.engine_id} is dead"
+                    self._poll_job(jkey)
+                    continue
+                del self.jobs[jkey]
                 self._maybe_release_source(job.pairing.source)
         for tid in list(self.transfers):
             self._maybe_finish(tid)
@@ -389,5 +433,8 @@ class Producer:
 
     # -- introspection for tests and metrics ----------------------------------------------------
     def live(self) -> dict[str, int]:
-        return {"sources": len(self.sources), "jobs": len(self.jobs),
-                "rendezvous": len(self.rdv), "transfers": len(self.transfers)}
+        out = {"sources": len(self.sources), "jobs": len(self.jobs),
+               "rendezvous": len(self.rdv), "transfers": len(self.transfers)}
+        if self.staged is not None:
+            out["staging_slots"] = self.staged.live()
+        return out

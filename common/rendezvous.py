@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class Registration:
     block_ids: tuple[int, ...]
     first_token: int
     num_tokens: int
+    slot: Any = None  # messages.Slot: D reserved a staging slot for this registration
 
 
 @dataclass(frozen=True)

@@ -290,7 +290,8 @@ def test_oversize():
 
 
 @pytest.mark.parametrize("data", [
-    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01", b"\x94\x01\xc4\x00\xc4\x00\x00",
+    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01",
+    b"\x94" + bytes([PROTOCOL_VERSION]) + b"\xc4\x00\xc4\x00\x00",
     b"\x80", b"\x93\x01\xa1x\xc4\x00", b"\x93\xa11\xc4\x00\xc4\x00", b"not msgpack at all",
     envelope(PROTOCOL_VERSION, b""), envelope(PROTOCOL_VERSION, b"\x80"),
     envelope(PROTOCOL_VERSION, msgspec.msgpack.encode({"type": "nope"})),
