@@ -85,8 +85,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .geometry import GeometryError, KVGeometry
-from .layout import _as_count, _block_ids, _check_addresses, _order, _check_tp, writer_ranks
+from .geometry import GeometryError, KVGeometry, check_head_split
+from .layout import _as_count, _block_ids, _check_addresses, _order, writer_ranks
 
 __all__ = [
     "WRITER_ALIGN", "UNITS", "WriterSlice", "Chunk", "SlotLayout", "slot_layout", "slot_bytes",
@@ -195,7 +195,7 @@ def slot_layout(
     nothing to move. ``align`` is the writers' alignment inside the slot (the slot itself is
     aligned by the pool)."""
     dst.validate()
-    _check_tp(dst.num_kv_heads, src_tp, "producer")
+    check_head_split(dst.num_kv_heads, src_tp, "producer")
     first_token, num_tokens = _check_range(dst, first_token, num_tokens)
     if align <= 0:
         raise GeometryError(f"align must be positive, got {align}")
