@@ -78,6 +78,16 @@ def sample_messages() -> list[M.Message]:
                  first_token=0, num_tokens=0, geometry_digest=""),
         WriteDone(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
                   num_bytes=1 << 40),
+        # staged (protocol 2)
+        Hello(engine_id="dec-0", agent_name="agent-d0", agent_metadata=b"m", geometry=GEOM,
+              compat_hash=M.COMPAT_HASH, staging=M.StagingRegion(base=1 << 40, length=1 << 31)),
+        Welcome(engine_id="pre-0", agent_name="agent-p0", agent_metadata=b"m", geometry=GEOM,
+                compat_hash=M.COMPAT_HASH, side_channel_ports=(5600,), staging=True),
+        Register(transfer_id="tid-2", attempt=0, engine_id="dec-0", tp_rank=1, block_ids=(3,),
+                 first_token=0, num_tokens=9, geometry_digest=DIGEST,
+                 slot=M.Slot(offset=8192, length=4096, layers_per_chunk=2)),
+        WriteDone(transfer_id="tid-2", attempt=0, engine_id="pre-0", tp_rank=0, num_bytes=512,
+                  chunk=1, chunks=2, staged=True, layer_lo=2, layer_hi=4),
         Cancel(transfer_id="tid-1", attempt=2, engine_id="dec-0", tp_rank=1, reason="aborted"),
         CancelAck(transfer_id="tid-1", attempt=2, engine_id="pre-0", tp_rank=0),
         TransferFailed(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
@@ -331,11 +341,38 @@ REG = Register(transfer_id="t", attempt=0, engine_id="d", tp_rank=0, block_ids=(
     dict(num_tokens=-1, first_token=0),
     dict(attempt=-1),
     dict(transfer_id=""),
+    dict(slot=M.Slot(offset=-1, length=4096, layers_per_chunk=1)),
+    dict(slot=M.Slot(offset=0, length=0, layers_per_chunk=1)),
+    dict(slot=M.Slot(offset=0, length=4096, layers_per_chunk=0)),
 ], ids=repr)
 def test_invalid_register(changes):
     msg = msgspec.structs.replace(REG, **changes)
     for secret in (None, SECRET):
         assert reason_of(Codec(secret), Codec(secret).encode(msg)) == "invalid"
+
+
+@pytest.mark.parametrize("msg", [
+    WriteDone(transfer_id="t", attempt=0, engine_id="p", tp_rank=0, num_bytes=1, staged=True),
+    WriteDone(transfer_id="t", attempt=0, engine_id="p", tp_rank=0, num_bytes=1, staged=True,
+              layer_lo=3, layer_hi=3),
+    WriteDone(transfer_id="t", attempt=0, engine_id="p", tp_rank=0, num_bytes=1, staged=True,
+              layer_lo=-1, layer_hi=2),
+    Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=GEOM, compat_hash="h",
+          staging=M.StagingRegion(base=0, length=4096)),
+    Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=GEOM, compat_hash="h",
+          staging=M.StagingRegion(base=4096, length=0)),
+], ids=repr)
+def test_invalid_staged_fields(msg):
+    assert reason_of(Codec(), Codec().encode(msg)) == "invalid"
+
+
+def test_staged_fields_default_to_the_region_path():
+    """A protocol-2 peer that does not stage leaves every staged field at its default."""
+    assert Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=GEOM,
+                 compat_hash="h").staging is None
+    assert REG.slot is None
+    w = WriteDone(transfer_id="t", attempt=0, engine_id="p", tp_rank=0, num_bytes=1)
+    assert (w.staged, w.layer_lo, w.layer_hi) == (False, 0, 0)
 
 
 def test_valid_register_edges():
@@ -400,14 +437,20 @@ def test_rejection_carries_reason_and_detail():
 def oracle_invalid(msg) -> bool:
     """The semantic rules, restated independently of ``messages._check_sane``."""
     if isinstance(msg, Register):
+        s = msg.slot
         return (msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token
-                or any(b < 0 for b in msg.block_ids) or msg.transfer_id == "")
+                or any(b < 0 for b in msg.block_ids) or msg.transfer_id == ""
+                or (s is not None and (s.offset < 0 or s.length < 1 or s.layers_per_chunk < 1)))
     if isinstance(msg, WriteDone):
-        return msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
+        return (msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
+                or (msg.staged and (msg.layer_lo < 0 or msg.layer_hi <= msg.layer_lo)))
     if isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()
         except ValueError:
+            return True
+        r = getattr(msg, "staging", None)
+        if isinstance(msg, Hello) and r is not None and (r.base < 1 or r.length < 1):
             return True
     return False
 
@@ -443,15 +486,20 @@ geometries = st.builds(
 
 messages = st.one_of(
     st.builds(Hello, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
-              geometry=geometries, compat_hash=text),
+              geometry=geometries, compat_hash=text,
+              staging=st.none() | st.builds(M.StagingRegion, base=some_int, length=some_int)),
     st.builds(Welcome, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
               geometry=geometries, compat_hash=text,
-              side_channel_ports=st.lists(some_int, max_size=4).map(tuple)),
+              side_channel_ports=st.lists(some_int, max_size=4).map(tuple),
+              staging=st.booleans()),
     st.builds(Refused, reason=text),
     st.builds(Register, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
-              block_ids=ids, first_token=some_int, num_tokens=some_int, geometry_digest=text),
+              block_ids=ids, first_token=some_int, num_tokens=some_int, geometry_digest=text,
+              slot=st.none() | st.builds(M.Slot, offset=some_int, length=some_int,
+                                         layers_per_chunk=some_int)),
     st.builds(WriteDone, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
-              num_bytes=some_int),
+              num_bytes=some_int, chunk=small, chunks=small, staged=st.booleans(),
+              layer_lo=small, layer_hi=small),
     st.builds(Cancel, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
               reason=text),
     st.builds(CancelAck, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int),
