@@ -495,26 +495,34 @@ def wait_counter(peer, name: str, target: float, timeout: float = 60.0) -> None:
         time.sleep(0.001)
 
 
-def start_gpu_pair(p_spec: PeerSpec, d_spec: PeerSpec, device: str):
-    """P and D children running ``GpuPeerServer`` on ``device`` ("cuda" or "cpu")."""
+def start_gpu_pair(p_spec: PeerSpec, d_spec: PeerSpec, device: str, server: str = SERVER):
+    """P and D children running ``server`` (a ``GpuPeerServer``) on ``device`` ("cuda" or
+    "cpu")."""
     os.environ[DEVICE_ENV] = device  # inherited by both spawned children
     os.environ.setdefault(ALLOC_ENV, "per_layer")
-    return start_pair(p_spec, d_spec, server=SERVER)
+    return start_pair(p_spec, d_spec, server=server)
 
 
 class Pair:
-    """P and D for one block size, both push workers and both second agents connected."""
+    """P and D for one block size, both push workers and both second agents connected.
 
-    def __init__(self, args, bs: int, blocks: int):
-        common = dict(placement="kv_split", num_layers=args.layers, num_kv_heads=args.kv_heads,
-                      head_size=args.head_size, dtype_bytes=2, block_size=bs, num_blocks=blocks,
-                      token_order="NHD")
-        hb = {"heartbeat_interval_s": args.heartbeat_s}
+    By default both sides are kv_split NHD with ``args``' model shape. ``kv_heads`` overrides
+    the model's KV heads; ``d`` overrides D's PeerSpec fields (e.g. block_size, token_order,
+    num_blocks); ``config`` is added to both workers' PushConfig; ``server`` is the child class.
+    """
+
+    def __init__(self, args, bs: int, blocks: int, *, kv_heads: int | None = None,
+                 d: dict | None = None, config: dict | None = None, server: str = SERVER):
+        common = dict(placement="kv_split", num_layers=args.layers,
+                      num_kv_heads=kv_heads or args.kv_heads, head_size=args.head_size,
+                      dtype_bytes=2, block_size=bs, num_blocks=blocks, token_order="NHD")
+        hb = {"heartbeat_interval_s": args.heartbeat_s, **(config or {})}
         self.P, self.D = start_gpu_pair(
             PeerSpec(role="producer", engine_id="gpubench-prefill",
                      config={"side_channel_port": 0, **hb}, **common),
-            PeerSpec(role="decoder", engine_id="gpubench-decode", config=hb, **common),
-            args.device)
+            PeerSpec(role="decoder", engine_id="gpubench-decode", config=hb,
+                     **{**common, **(d or {})}),
+            args.device, server)
         self.address = self.P.call("address")
         self.pgeo, self.dgeo = self.P.call("geometry_"), self.D.call("geometry_")
         self.info = self.P.call("info")
