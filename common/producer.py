@@ -436,5 +436,5 @@ class Producer:
         out = {"sources": len(self.sources), "jobs": len(self.jobs),
                "rendezvous": len(self.rdv), "transfers": len(self.transfers)}
         if self.staged is not None:
-            out["staging_slots"] = self.staged.live()
+            out["staging_rooms"] = self.staged.live()  # P's pool ranges in use
         return out

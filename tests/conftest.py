@@ -7,7 +7,7 @@
 * ``start_peers(*specs)``: start several ``LocalPeer`` processes at once (each spends ~1-2 s
   importing NIXL and creating its agent; started together they overlap) and ``close_peers``.
 * ``live_state`` / ``assert_no_leaks``: what producers (sources, jobs, rendezvous entries,
-  transfers, staging slots) and decoders (wants, staging slots) still hold.
+  transfers, staging rooms) and decoders (wants, staging slots) still hold.
 * ``figures``: a session-wide dict that tests record measurements into (time to detect a dead
   peer, latencies...); ``pytest_terminal_summary`` prints it as a table at the end of the run.
 """

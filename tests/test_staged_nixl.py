@@ -264,7 +264,7 @@ def test_slots_are_reused_after_release(peers):
         n = int(rng.integers(20, 120))
         staged_push([P], [D], num_tokens=n, pblocks=fragmented_blocks(rng, 256, -(-n // 16)),
                     dblocks=fragmented_blocks(rng, 256, -(-n // 24)))
-    assert D.call("live")["staging_slots"] == 0 and P.call("live")["staging_slots"] == 0
+    assert D.call("live")["staging_slots"] == 0 and P.call("live")["staging_rooms"] == 0
     assert counter(D, "staged_transfers") >= 6
 
 

@@ -32,7 +32,11 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self._log,
+        # PYTHONSAFEPATH: `python -m ...` must not put the working directory first on sys.path,
+        # where a checkout's bare kv_push/ folder would hide the kv_push under test (kvtest's
+        # shim on PYTHONPATH, or the installed one)
+        self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
+                                     stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
