@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Staged push vs region push vs pull on one GPU, two processes, the real PushWorker path.
 
-Shares its peers with ``bench_transfer_gpu.py`` (``GpuPeerServer``: vLLM-FlashAttention-shaped
-per-layer KV tensors on ``cuda:0``, ``describe_kv_caches(backend=CudaBackend())``, a real
-``PushWorker``, the pattern fill and the on-GPU verification with canaries; ``Pair``: P and D
-spawned together, a second NIXL agent each for pull). Here both workers also own a staging pool
+Shares its peers with ``bench_transfer_gpu.py`` (``Pair``: P and D spawned together, each a
+``BenchPeerServer`` over ``torch_pool.TorchMemory``: vLLM-FlashAttention-shaped per-layer KV
+tensors on ``cuda:0``, ``describe_kv_caches(backend=CudaBackend())``, a real ``PushWorker``, the
+pattern fill and the on-GPU verification with canaries, and a second NIXL agent for pull). Here both workers also own a staging pool
 (``producer_staging_bytes`` / ``decoder_staging_bytes``, allocated by ``CudaBackend.alloc_staging``
 and registered with the agent), and per transfer the decoder's staging is switched on or off, so
 one pair of processes measures, interleaved with the order rotating:
@@ -59,18 +59,17 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # spawned children import this module
 
-from bench_transfer_gpu import (  # noqa: E402
-    QWEN3_32B, GpuPeerServer, Pair, _versions, log, pool_blocks,
-)
-from kv_push.common.local_peer import PeerError  # noqa: E402
-from kv_push.common.synthetic_kv import fragmented_blocks  # noqa: E402
+from bench_transfer_gpu import QWEN3_32B, Pair, _versions, log, pool_blocks  # noqa: E402
+from kv_push.common.testing.bench_peer_server import BenchPeerServer  # noqa: E402
+from kv_push.common.testing.block_ids import fragmented_blocks  # noqa: E402
+from kv_push.common.testing.peer_process import PeerError  # noqa: E402
 
-SERVER = "bench_staged_gpu:StagedGpuPeer"
+SERVER = "bench_staged_gpu:StagedBenchPeer"
 MODES = ("regions", "staged", "pull")
 
 
-class StagedGpuPeer(GpuPeerServer):
-    """``GpuPeerServer`` plus the decoder's run-time staging switch."""
+class StagedBenchPeer(BenchPeerServer):
+    """``BenchPeerServer`` plus the decoder's run-time staging switch."""
 
     def set_staged(self, on: bool) -> None:
         dec = self.worker.decoder
@@ -215,6 +214,8 @@ def parse(argv=None):
     ap.add_argument("--chunk-mib", type=float, default=512.0,
                     help="staging_chunk_bytes in MiB (layers per chunk follow from it)")
     ap.add_argument("--reps", type=int, default=3, help="measured repetitions per mode")
+    ap.add_argument("--alloc", default="per_layer", choices=("per_layer", "pool"),
+                    help="per_layer: one allocation per layer (as vLLM); pool: one allocation")
     ap.add_argument("--slack", type=float, default=1.125, help="KV pool blocks / blocks needed")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting cases after this many seconds (0: no limit)")

@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from kv_push.common import geometry as G  # noqa: E402
 from kv_push.common.staging import pack_plan, slot_layout, unpack_plans  # noqa: E402
 from kv_push.common.staging_ops import CacheViews, DevicePlan, pack, unpack  # noqa: E402
-from kv_push.common.synthetic_kv import fragmented_blocks  # noqa: E402
+from kv_push.common.testing.block_ids import fragmented_blocks  # noqa: E402
 
 QWEN3_32B = dict(num_layers=64, num_kv_heads=8, head_size=128, dtype_bytes=2)
 CANARY = 0x5A5A

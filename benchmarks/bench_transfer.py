@@ -43,15 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+from kv_push.common.testing.bench_peer_server import SERVER
+from kv_push.common.testing.block_ids import fragmented_blocks
+from kv_push.common.testing.peer_process import PeerError, PeerSpec, start_pair
+
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # spawned children import bench_peer from here
-
-from kv_push.common.demo import start_pair  # noqa: E402
-from kv_push.common.local_peer import PeerError, PeerSpec  # noqa: E402
-from kv_push.common.synthetic_kv import fragmented_blocks  # noqa: E402
-
-SERVER = "bench_peer:BenchPeerServer"
 QWEN3_32B = dict(num_layers=64, head_size=128, dtype_bytes=2)
 SHAPES = {"TP1": 8, "TP8-rank": 1}  # KV heads held by the rank
 METHODS = ("push", "push_dpoll", "pull", "bare_write", "bare_read")
@@ -96,6 +92,8 @@ class Pair:
                      config={"side_channel_port": 0, **hb}, **common),
             PeerSpec(role="decoder", engine_id="bench-decode", config=hb, **common),
             server=SERVER)
+        for peer in (self.P, self.D):
+            peer.call("instrument")  # push-path events, summarised by take_events
         self.address = self.P.call("address")
         self.pgeo, self.dgeo = self.P.call("geometry"), self.D.call("geometry")
         self.P.call("pull_add_peer", self.D.call("pull_agent_metadata"), self.dgeo)

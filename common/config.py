@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .backend import BACKENDS, NIXL_BACKENDS
+
 
 class ConfigError(ValueError):
     pass
@@ -23,7 +25,7 @@ class PushConfig:
     #: where a producer worker listens for decoders' handshakes (its tp_rank is added to the port)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
-    #: memory backend: host, cuda, neuron, or "" to detect
+    #: memory backend: a name in ``backend.BACKENDS`` (host, cuda, neuron), or "" to detect
     backend: str = ""
     #: NIXL backends for the agent; empty: the memory backend's own choice (host and cuda: UCX,
     #: neuron: LIBFABRIC). p5en over EFA: ("LIBFABRIC",).
@@ -76,8 +78,11 @@ class PushConfig:
             raise ConfigError("max_post_bytes and max_post_regions must be positive")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a port")
-        if self.backend not in ("", "host", "cuda", "neuron"):
-            raise ConfigError(f"backend must be host, cuda or neuron, got {self.backend!r}")
+        if self.backend not in ("", *BACKENDS):
+            raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        if any(b not in NIXL_BACKENDS for b in self.nixl_backends):
+            raise ConfigError(
+                f"nixl_backends must be from {NIXL_BACKENDS}, got {self.nixl_backends}")
         if self.staged not in ("auto", "off"):
             raise ConfigError(f"staged must be auto or off, got {self.staged!r}")
         for name in ("decoder_staging_bytes", "producer_staging_bytes"):
@@ -87,8 +92,6 @@ class PushConfig:
         if self.staging_chunk_bytes <= 0:
             raise ConfigError(f"staging_chunk_bytes must be positive, got "
                               f"{self.staging_chunk_bytes!r}")
-        if any(b not in ("UCX", "LIBFABRIC") for b in self.nixl_backends):
-            raise ConfigError(f"nixl_backends must be UCX and/or LIBFABRIC, got {self.nixl_backends}")
         return self
 
     @classmethod

@@ -30,6 +30,7 @@ from . import vllm_compat as compat
 from .config import PushConfig
 from .connector_scheduler import PushScheduler, StepPlan
 from .connector_stats import KVPushPromMetrics, KVPushStats
+from .metrics import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
                                             is_decoder=self.kv_role in ("decoder", "both"),
-                                            block_size=block_size)
+                                            block_size=block_size, counters=Counters())
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 
@@ -69,6 +70,10 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                 engine_id=str(ktc.engine_id), tp_rank=tp_rank, tp_size=tp_size,
                 num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(),
                 block_size=block_size, dtype=compat.kv_dtype_name(vllm_config))
+            check_model = getattr(self._worker.backend, "check_model", None)
+            if check_model is not None:  # a backend that cannot serve this model says so now
+                check_model(sliding_window=getattr(mc, "get_sliding_window", lambda: None)(),
+                            tp_size=tp_size)
 
     # ---------------------------------------------------------------------------------------
     # worker side
@@ -108,9 +113,13 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         return set() if compat.HAS_FAILED_RECVING else errors
 
     def get_kv_connector_stats(self):
-        if self._worker is None:  # the scheduler half has no transfer thread
-            return None
-        data = self._worker.stats()
+        """This half's counters since the last call (then reset). vLLM calls it on the worker
+        half (the transfer thread's counters travel to the scheduler with the step's output)
+        and on the scheduler half (``PushScheduler``'s own counters), and sums the two."""
+        if self._worker is not None:
+            data = self._worker.stats()
+        else:
+            data = self._scheduler.counters.snapshot(reset=True)
         return KVPushStats(data=data) if data else None
 
     def shutdown(self) -> None:

@@ -24,6 +24,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .metrics import Counters
+
 logger = logging.getLogger(__name__)
 
 #: Prefix of decoder keys whose outcome no vLLM request waits for (release-only registrations).
@@ -115,27 +117,33 @@ class _Waiting:
 
 
 class PushScheduler:
-    """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM."""
+    """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM.
+
+    ``counters``: where it counts what it rejects (``rejected{bad_transfer_params}``); a fresh
+    ``Counters`` when not given. The connector hands their snapshot to vLLM's stats each step.
+    """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
-                 counters=None):
+                 counters: Counters | None = None):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
-        self.counters = counters
+        self.counters = counters if counters is not None else Counters()
         self._plan = StepPlan()
         self._waiting: dict[str, _Waiting] = {}  # decoder requests we claimed tokens for
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
         self._held: set[str] = set()  # producer requests whose blocks we keep
+        self._rejected: set[str] = set()  # requests whose bad params were counted (until finished)
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
         try:
             return TransferParams.parse(getattr(request, "kv_transfer_params", None))
         except TransferParamsError as e:
-            logger.warning("kv_push: request %s has bad kv_transfer_params (%s); "
-                           "serving it without KV transfer", request.request_id, e)
-            if self.counters is not None:
+            if request.request_id not in self._rejected:  # parsed at several hooks: count once
+                self._rejected.add(request.request_id)
+                logger.warning("kv_push: request %s has bad kv_transfer_params (%s); "
+                               "serving it without KV transfer", request.request_id, e)
                 self.counters.inc("rejected", label="bad_transfer_params")
             return None
 
@@ -189,6 +197,13 @@ class PushScheduler:
     # -- both ------------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int], finished_ok: bool
                          ) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            return self._request_finished(request, block_ids, finished_ok)
+        finally:
+            self._rejected.discard(request.request_id)
+
+    def _request_finished(self, request, block_ids: list[int], finished_ok: bool
+                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         was_received = rid in self._received
         self._received.discard(rid)

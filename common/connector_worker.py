@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .backend import describe_kv_caches, select_backend
+from .backend import select_backend
 from .config import PushConfig
 from .connector_scheduler import RELEASE_KEY_PREFIX, StepPlan
+from .kv_tensors import describe_kv_caches
 from .metrics import Counters
 from .worker import PushWorker
 

@@ -51,6 +51,7 @@ from .messages import (
     WriteDone,
     geometry_digest,
 )
+from .nixl_compat import check_peer_nixl
 from .side_channel import HandshakeError, handshake
 from .transfer_thread import Peer, RoleContext
 
@@ -129,6 +130,7 @@ class Decoder:
             self._hello = Hello(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                                 agent_metadata=self.ctx.metadata(),
                                 geometry=self.ctx.geometry, compat_hash=COMPAT_HASH,
+                                nixl_version=self.ctx.nixl_version,
                                 staging=self.staged.region() if self.staged else None)
         return self._hello
 
@@ -231,6 +233,8 @@ class Decoder:
             if welcome.compat_hash != COMPAT_HASH:
                 raise MessageRejected("incompatible", f"producer {welcome.engine_id} speaks "
                                       f"{welcome.compat_hash}, we speak {COMPAT_HASH}")
+            if (why := check_peer_nixl(self.ctx.nixl_version, welcome.nixl_version)) is not None:
+                raise MessageRejected("incompatible", f"producer {welcome.engine_id}: {why}")
             try:
                 welcome.geometry.compatible_with(self.ctx.geometry)
             except GeometryError as e:

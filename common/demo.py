@@ -1,10 +1,10 @@
 """``kv-push-demo``: one producer (P) and one decoder (D) in two OS processes, real NIXL.
 
-Each side is a ``PushWorker`` over a synthetic host pool (``LocalPeer``), the two talk NIXL over
-UCX loopback exactly as two vLLM workers would: D handshakes with P's side channel, registers
-its blocks as a notification, P WRITEs the prompt's KV into them and the ``WriteDone`` notice
-rides the WRITE. P and D use different layouts on purpose (default: P ``kv_split`` with block
-size 16, D ``blocks_first`` with block size 32), so the mapping across layouts is exercised.
+Each side is a ``PushWorker`` over a synthetic host pool (a ``LocalPeer`` child), the two talk
+NIXL over UCX loopback exactly as two vLLM workers would: D handshakes with P's side channel,
+registers its blocks as a notification, P WRITEs the prompt's KV into them and the ``WriteDone``
+notice rides the WRITE. P and D use different layouts on purpose (default: P ``kv_split`` with
+block size 16, D ``blocks_first`` with block size 32), so the mapping across layouts is exercised.
 
 For every request P's blocks are filled with a reproducible pattern, the request is handed off
 (half of the requests register on D before the prefill is done, half after), and D checks every
@@ -12,208 +12,21 @@ byte of its blocks against the pattern. The table gives, per request, the time f
 ``prefill_done`` call to D's ``received`` outcome, both stamped inside the child processes with
 ``time.monotonic`` (one clock for every process on Linux).
 
-This module also holds two pieces the benchmarks reuse:
-
-* a fast pattern fill/verify (``fill_pattern`` / ``verify_pattern``): a random table read at a
-  seed- and position-dependent offset, so any misplaced, missing or stale byte is caught, at
-  memcpy speed (``PeerServer.fill``/``verify`` draw a fresh random tensor per request, which is
-  exact but several seconds per GiB here);
-* ``ServerPeer``: a ``LocalPeer`` whose child runs a ``PeerServer`` subclass named by
-  ``"module:Class"``, for commands ``PeerServer`` does not have.
+The peer processes, pools and pattern are test/demo harness in ``kv_push.common.testing``;
+this module is only the command line.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import queue
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 
-from .local_peer import LocalPeer, PeerError, PeerServer, PeerSpec
-from .synthetic_kv import HostPool, fragmented_blocks
-
-# -- pattern KV --------------------------------------------------------------------------------
-
-_PATTERN_PERIOD = (16 << 20) + 4093  # odd: consecutive blocks never see the same bytes
-_PATTERN_TAIL = 8 << 20  # longest contiguous run read without wrapping (one block part)
-_pattern: np.ndarray | None = None
-
-
-def _table() -> np.ndarray:
-    global _pattern
-    if _pattern is None:
-        r = np.random.default_rng(0x6B76).integers(0, 256, _PATTERN_PERIOD, dtype=np.uint8)
-        _pattern = np.concatenate((r, r[:_PATTERN_TAIL]))
-    return _pattern
-
-
-def _runs(pool: HostPool, seed: int, block_ids: Sequence[int], num_tokens: int, first_token: int):
-    """Yield (pool view, expected bytes) for every (block, layer, K/V) piece of the request.
-
-    The logical KV of request ``seed`` is ``L[layer, part, token, head, byte]``; its row for
-    (layer, part, token) -- all heads -- starts at a seed-dependent offset in the pattern table.
-    """
-    g = pool.geometry
-    row = g.num_kv_heads * g.vec_bytes
-    lo, hi = g.head_range
-    table = _table()
-    if g.block_size * row > _PATTERN_TAIL:
-        raise ValueError(f"block of {g.block_size * row} bytes exceeds the pattern tail")
-    bases = [[(seed * 0x9E3779B1 + (layer * g.kv_parts + part) * 0x51ED27) % _PATTERN_PERIOD
-              for part in range(g.kv_parts)] for layer in range(g.num_layers)]
-    for j, b in enumerate(block_ids):
-        t0 = first_token + j * g.block_size
-        if t0 >= num_tokens:
-            break
-        n = min(g.block_size, num_tokens - t0)
-        for layer in range(g.num_layers):
-            for part in range(g.kv_parts):
-                off = (bases[layer][part] + t0 * row) % _PATTERN_PERIOD
-                want = table[off: off + n * row].reshape(n, g.num_kv_heads, g.vec_bytes)
-                yield pool._block(layer, part, b)[:n], want[:, lo:hi]
-
-
-def fill_pattern(pool: HostPool, seed: int, block_ids: Sequence[int], num_tokens: int,
-                 first_token: int = 0) -> None:
-    """Write tokens ``[first_token, num_tokens)`` of request ``seed`` into ``block_ids``."""
-    for view, want in _runs(pool, seed, block_ids, num_tokens, first_token):
-        view[...] = want
-
-
-def verify_pattern(pool: HostPool, seed: int, block_ids: Sequence[int], num_tokens: int,
-                   first_token: int = 0) -> int:
-    """Number of bytes of tokens ``[first_token, num_tokens)`` in ``block_ids`` that are wrong."""
-    bad = 0
-    for view, want in _runs(pool, seed, block_ids, num_tokens, first_token):
-        if not np.array_equal(view, want):
-            bad += int(np.count_nonzero(view != want))
-    return bad
-
-
-# -- a peer server with timestamps -------------------------------------------------------------
-
-
-class DemoPeerServer(PeerServer):
-    """``PeerServer`` plus pattern fill/verify and monotonic timestamps of hand-offs/outcomes."""
-
-    def __init__(self, spec: PeerSpec):
-        super().__init__(spec)
-        self._cond = threading.Condition()
-        self._stamped: dict[str, tuple[str, str, float]] = {}
-        self._stop = threading.Event()
-        self._collector = None
-        if self.worker.decoder is not None:
-            self._collector = threading.Thread(target=self._collect, name="outcome-collector",
-                                               daemon=True)
-            self._collector.start()
-
-    def _collect(self) -> None:
-        """Take outcomes the moment the transfer thread emits them, and stamp them."""
-        q = self.worker.decoder.outcomes
-        while not self._stop.is_set():
-            try:
-                o = q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            now = time.monotonic()
-            with self._cond:
-                self._stamped[o.key] = (o.kind, o.reason, now)
-                self._cond.notify_all()
-
-    def fill_pattern(self, seed: int, num_tokens: int, block_ids, first_token: int = 0) -> None:
-        fill_pattern(self.pool, seed, block_ids, num_tokens, first_token)
-
-    def verify_pattern(self, seed: int, num_tokens: int, block_ids, first_token: int = 0) -> int:
-        return verify_pattern(self.pool, seed, block_ids, num_tokens, first_token)
-
-    def zero_blocks(self, block_ids) -> None:
-        g = self.pool.geometry
-        for b in block_ids:
-            for layer in range(g.num_layers):
-                for part in range(g.kv_parts):
-                    self.pool._block(layer, part, b)[...] = 0
-
-    def prefill_done_at(self, key, transfer_id, block_ids, num_tokens) -> float:
-        """Hand a finished prefill to the worker; returns the monotonic time of the call."""
-        ids = list(block_ids)
-        t0 = time.monotonic()
-        self.worker.prefill_done(key, transfer_id, ids, num_tokens)
-        return t0
-
-    def expect_at(self, key, transfer_id, attempt, address, block_ids, first_token,
-                  num_tokens) -> float:
-        t0 = time.monotonic()
-        self.worker.expect(key, transfer_id, attempt, tuple(address), block_ids, first_token,
-                           num_tokens)
-        return t0
-
-    def outcome_at(self, key: str, timeout: float):
-        """(kind, reason, monotonic time the outcome was emitted) or None on time-out."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while key not in self._stamped:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            return self._stamped.pop(key)
-
-    def wait_outcome(self, key: str, timeout: float):
-        t0 = time.monotonic()
-        got = self.outcome_at(key, timeout)
-        if got is None:
-            return None
-        return got[0], got[1], time.monotonic() - t0
-
-    def clock(self) -> float:
-        return time.monotonic()
-
-    def quiet(self) -> None:
-        """Before a planned shutdown: the peer's goodbye is expected, not worth a warning."""
-        logging.getLogger("kv_push.common.transfer_thread").setLevel(logging.ERROR)
-
-    def close(self):
-        self._stop.set()
-        return super().close()
-
-
-class ServerPeer(LocalPeer):
-    """A ``LocalPeer`` whose child runs the ``PeerServer`` subclass named by ``server``."""
-
-    def __init__(self, spec: PeerSpec, server: str = f"{__name__}:DemoPeerServer",
-                 start_timeout: float = 120.0):
-        super().__init__(spec, start_timeout, server=server)
-
-
-def start_pair(p_spec: PeerSpec, d_spec: PeerSpec, server: str = f"{__name__}:DemoPeerServer"
-               ) -> tuple[ServerPeer, ServerPeer]:
-    """Start P and D at the same time (each child allocates and touches its pool)."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    with ThreadPoolExecutor(2) as ex:
-        fp = ex.submit(ServerPeer, p_spec, server)
-        fd = ex.submit(ServerPeer, d_spec, server)
-        errors = []
-        peers = []
-        for f in (fp, fd):
-            try:
-                peers.append(f.result())
-            except Exception as e:  # close the one that started
-                errors.append(e)
-        if errors:
-            for p in peers:
-                p.close()
-            raise errors[0]
-    return peers[0], peers[1]
-
-
-# -- the demo ----------------------------------------------------------------------------------
+from .testing.block_ids import fragmented_blocks
+from .testing.peer_process import LocalPeer, PeerError, PeerSpec, start_pair
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -12,7 +12,9 @@ count.
 Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` changes with them):
   1 -- Hello/Welcome/Refused handshake, Register, WriteDone, Cancel, CancelAck, TransferFailed,
        Heartbeat, Goodbye.
-  2 -- staged transfers: Hello.staging (D's registered staging region), Welcome.staging (P can
+  2 -- Hello and Welcome carry the sender's NIXL version (``nixl_version``); a peer on a NIXL
+       release that cannot be paired with ours is refused at the handshake (``nixl_compat``).
+  3 -- staged transfers: Hello.staging (D's registered staging region), Welcome.staging (P can
        stage), Register.slot (D's slot for this registration), WriteDone.staged/layer_lo/layer_hi
        (a staged chunk and the layers it holds). All optional: a side that does not stage leaves
        them at their defaults and the other side takes the region path.
@@ -29,7 +31,7 @@ import msgspec
 
 from .geometry import KVGeometry
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class StagingRegion(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +61,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     agent_metadata: bytes
     geometry: KVGeometry
     compat_hash: str
+    nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
     staging: StagingRegion | None = None
 
 
@@ -71,6 +74,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     geometry: KVGeometry
     compat_hash: str
     side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
+    nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
     staging: bool = False  # P can pack registrations that carry a slot (it has a staging pool)
 
 

@@ -1,9 +1,10 @@
-"""Counters the transfer thread keeps, readable from any thread.
+"""Counters kv-push keeps (the transfer thread's, and the connector's scheduler half's),
+readable from any thread.
 
-Workers run in vLLM's worker processes, so their figures leave through vLLM's connector-stats
-path (``snapshot(reset=True)`` per step) and are turned into Prometheus metrics on the API
-server; standalone users (demo, benchmarks, tests) read ``snapshot()`` directly or call
-``export_prometheus``. Names are stable: they are documented in the README.
+In vLLM both halves' figures leave through vLLM's connector-stats path (``snapshot(reset=True)``
+per step, see ``connector_stats``) and become Prometheus metrics ``vllm:kv_push_<name>_total``
+on the API server; standalone users (demo, benchmarks, tests) read ``get`` or ``snapshot()``
+directly. Names are stable: they are documented in the README.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from .messages import (
     WriteDone,
     geometry_digest,
 )
+from .nixl_compat import check_peer_nixl
 from .rendezvous import Pairing, Registration, Rendezvous, Source, StaleEvent
 from .transfer_thread import Peer, RoleContext
 
@@ -119,6 +120,8 @@ class Producer:
             raise MessageRejected(
                 "incompatible", f"decoder {hello.engine_id} speaks {hello.compat_hash}, "
                 f"we speak {COMPAT_HASH}: install the same kv-push version on P and D")
+        if (why := check_peer_nixl(self.ctx.nixl_version, hello.nixl_version)) is not None:
+            raise MessageRejected("incompatible", f"decoder {hello.engine_id}: {why}")
         try:
             self.ctx.geometry.compatible_with(hello.geometry)
         except GeometryError as e:
@@ -131,7 +134,7 @@ class Producer:
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                        agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
                        compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports,
-                       staging=stages)
+                       nixl_version=self.ctx.nixl_version, staging=stages)
 
     # -- engine events -------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids: tuple[int, ...],

@@ -9,7 +9,10 @@ Everything that touches the agent runs here; everything else only hands work in.
 3. let each role ``tick`` (poll in-flight WRITEs, time-outs) and keep liveness: heartbeats go to
    every peer four times per ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s``
    (1.5 intervals) is declared
-   dead, told goodbye, removed from the agent, and each role is told;
+   dead, told goodbye, removed from the agent, and each role is told. Over a transport whose
+   first call to a peer waits for that peer's own handshake (``first_call_waits_for_peer``:
+   NIXL LIBFABRIC from 1.4.0, up to 60 s), heartbeats and goodbyes go only to peers heard from,
+   so that wait never lands on this thread for a peer that is gone or never loaded us;
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
 
@@ -54,6 +57,7 @@ class Peer:
     geometry_digest: str
     last_heard: float
     address: tuple[str, int] | None = None  # a producer's side channel, as the decoder dialled it
+    heard: bool = False  # a notification from it has arrived since it was added
 
 
 class Role(Protocol):
@@ -104,6 +108,11 @@ class RoleContext(Protocol):
 
     def metadata(self) -> bytes:
         """This worker's transport metadata, for a peer's ``add_peer``."""
+
+    @property
+    def nixl_version(self) -> str:
+        """The NIXL release under the transport ("" when it is not NIXL); peers compare it at
+        the handshake (``nixl_compat.check_peer_nixl``)."""
 
     # -- messages and peers --
     def send(self, peer: str, msg: Message) -> bool:
@@ -175,6 +184,8 @@ class TransferThread:
         self._next_hb = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
+        #: unsolicited messages (heartbeat, goodbye) wait until the peer has spoken
+        self._hold_until_heard = bool(transport.first_call_waits_for_peer)
 
     # -- engine-facing: hand work in ---------------------------------------------------------
     def add_role(self, role: Role) -> None:
@@ -225,6 +236,10 @@ class TransferThread:
     def metadata(self) -> bytes:
         return self.transport.metadata()
 
+    @property
+    def nixl_version(self) -> str:
+        return self.transport.nixl_version
+
     def send(self, peer: str, msg: Message) -> bool:
         return self.transport.send_notif(peer, self.codec.encode(msg))
 
@@ -242,9 +257,7 @@ class TransferThread:
         self.transport.release(handle)
 
     def failure_reason(self, handle: Any) -> str:
-        # not every transport explains its failures
-        explain = getattr(self.transport, "failure_reason", None)
-        return explain(handle) if explain is not None else "WRITE failed"
+        return self.transport.failure_reason(handle)
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None) -> Peer:
@@ -253,7 +266,8 @@ class TransferThread:
         old = self.peers.get(name)
         if old is not None and old.geometry_digest != digest:
             raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
-        peer = Peer(name, engine_id, tp_rank, geometry, digest, self.clock(), address)
+        peer = Peer(name, engine_id, tp_rank, geometry, digest, self.clock(), address,
+                    heard=old is not None and old.heard)
         self.peers[name] = peer
         return peer
 
@@ -332,6 +346,7 @@ class TransferThread:
                                  context=sender)
             return
         peer.last_heard = self.clock()
+        peer.heard = True
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, Goodbye):
@@ -354,15 +369,22 @@ class TransferThread:
             self._next_hb = now + self.config.heartbeat_interval_s / 4
             self._hb_seq += 1
             hb = Heartbeat(engine_id=self.engine_id, tp_rank=self.tp_rank, seq=self._hb_seq)
-            for name in list(self.peers):
-                self.send(name, hb)
+            for name, peer in list(self.peers.items()):
+                if self._may_call(peer):
+                    self.send(name, hb)
         timeout = self.config.peer_timeout_s
         for peer in list(self.peers.values()):
             if now - peer.last_heard > timeout:
                 self.counters.inc("peers_dead")
                 # if it is only slow, it forgets us too rather than talk to a side that ignores it
-                self.send(peer.agent_name, Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank))
+                if self._may_call(peer):
+                    self.send(peer.agent_name,
+                              Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank))
                 self.drop_peer(peer, f"silent for {now - peer.last_heard:.2f}s")
+
+    def _may_call(self, peer: Peer) -> bool:
+        """May an unsolicited message go to ``peer`` now without waiting on its handshake?"""
+        return peer.heard or not self._hold_until_heard
 
     def _guard(self, fn: Callable, *args: Any, context: str) -> None:
         try:
@@ -375,8 +397,9 @@ class TransferThread:
 
     def _shutdown(self) -> None:
         bye = Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank)
-        for name in list(self.peers):
-            self.send(name, bye)
+        for name, peer in list(self.peers.items()):
+            if self._may_call(peer):
+                self.send(name, bye)
         # let the goodbyes leave: notifications only go out while the agent is polled
         deadline = time.monotonic() + 0.05
         while self.peers and time.monotonic() < deadline:

@@ -62,7 +62,8 @@ class PushWorker:
             backends = self._nixl_backends()
             transport_factory = lambda: NixlTransport(  # noqa: E731
                 name=f"kvpush-{self.engine_id}-r{geometry.tp_rank}-{uuid.uuid4().hex[:8]}",
-                backends=backends)
+                backends=backends,
+                progress_thread=self.backend.nixl_progress_thread)
         transport = transport_factory()
         transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
         self.backend.verify_registration(geometry)
@@ -107,7 +108,7 @@ class PushWorker:
 
     def _nixl_backends(self) -> tuple[str, ...]:
         """The configured NIXL backends, which must be able to register the backend's memory."""
-        usable = tuple(getattr(self.backend, "nixl_backends", ("UCX",)))
+        usable = tuple(self.backend.nixl_backends)
         if not self.config.nixl_backends:
             return usable[:1]
         chosen = tuple(b for b in self.config.nixl_backends if b in usable)

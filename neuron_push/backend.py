@@ -2,15 +2,27 @@
 
 vllm-neuron 0.24 allocates each layer's KV as one ``(2, num_blocks, kv_heads, block_size,
 head_size)`` tensor on the ``neuron`` device (dims "2BHTD", head-major HND); K and V become two
-regions. What must hold, each guarded at start-up (docs/neuron.md cites the sources):
+regions. What must hold, each guarded at start-up (docs/neuron.md cites the source of each rule;
+none of them has run on Trainium):
 
-* ``NEURON_RT_MAP_HBM=1`` before the first device allocation, or ``data_ptr()`` is 0;
-* ``libnrt.so.1`` loadable by that name and the runtime initialised before the NIXL agent exists:
-  NIXL's LIBFABRIC plugin asks libnrt (``nrt_get_attached_efa_bdf``) which EFA device serves an
-  address, and decides at agent creation whether VRAM means Neuron; otherwise VRAM registration
-  fails or silently becomes host memory (``FI_HMEM_SYSTEM``);
-* the NIXL backend is LIBFABRIC (UCX cannot register Neuron HBM);
-* P and D on one host need ``FI_EFA_ENABLE_SHM_TRANSFER=0``, or outputs can be silently wrong.
+* ``NEURON_RT_MAP_HBM`` truthy before the first device allocation, or ``data_ptr()`` is 0;
+* ``libnrt.so.1`` loadable by that name and the runtime initialised before the NIXL agent
+  exists. NIXL decides "Neuron" from an hwloc PCI scan (Amazon vendor 0x1d0f, Neuron device ids),
+  not from the runtime; the order matters to libfabric, which sets up its HMEM interfaces once per
+  process, at the first ``fi_getinfo`` (the agent's creation): it ``dlopen``s ``libnrt.so.1``
+  then, and before libfabric 2.5.0 its EFA provider also allocated a Neuron buffer then, which
+  fails before ``nrt_init`` and makes every later Neuron registration fail (``-FI_ENOSYS``);
+* ``FI_EFA_USE_DEVICE_RDMA`` true, as libfabric parses it (AWS: required, not tuning);
+* an EFA provider that offers ``FI_HMEM`` to NIXL's rail hints, asked in this process just
+  before the agent is created (``libfabric.Libfabric.hmem_provider_available``): without it NIXL
+  registers the HBM as ``FI_HMEM_SYSTEM`` with only a log line, and the memory is still HBM, so
+  ``verify_registration`` could not tell;
+* the NIXL backend is LIBFABRIC (UCX cannot register Neuron HBM), without NIXL's progress
+  thread (see ``nixl_progress_thread``);
+* P and D on one host need ``FI_EFA_ENABLE_SHM_TRANSFER`` read as 0, or outputs can be silently
+  wrong;
+* the model has no sliding-window attention and, on trn2, the engine's core slice starts at a
+  multiple of its TP size (``check_model``).
 
 Every runtime access goes through ``NeuronRuntime``; tests pass a stand-in with its methods.
 """
@@ -23,20 +35,35 @@ import logging
 import os
 from typing import Any
 
-from kv_push.common.backend import BackendError
+from kv_push.common.backend import BackendError, verify_regions
 from kv_push.common.geometry import KVGeometry
+
+from . import libfabric as lf
 
 logger = logging.getLogger(__name__)
 
 LIBNRT = "libnrt.so.1"
 NRT_SUCCESS, NRT_UNINITIALIZED, NRT_CLOSED = 0, 13, 14  # nrt/nrt_status.h
+#: nrt/nrt.h instance families that are trn2 (TRN2, TRN2N, TRN2P, TRN2U, TRN2E, TRN2EU, TRN2AC,
+#: TRN2UAC)
+NRT_TRN2_FAMILIES = frozenset({5, 6, 8, 9, 10, 11, 12, 13})
+#: the torch plugins that put tensors on the ``neuron`` device: torch-neuronx, and the
+#: ``libtorch_neuronx_lite`` that Neuron SDK 2.32 ships for trn2/trn3 instead of it
+TORCH_PLUGINS = ("torch_neuronx", "libtorch_neuronx_lite")
+
+
+class _InstanceInfo(ctypes.Structure):  # nrt_instance_info_t
+    _fields_ = [("family", ctypes.c_uint32), ("size", ctypes.c_uint32),
+                ("arch_name", ctypes.c_char * 16), ("device_revision", ctypes.c_char * 8)]
 
 
 class NeuronRuntime:
-    """The process's Neuron runtime, through libnrt's documented C API (nrt/nrt.h) and the env."""
+    """The process's Neuron runtime, through libnrt's documented C API (nrt/nrt.h), libfabric,
+    and the environment."""
 
-    def __init__(self, lib_name: str = LIBNRT):
+    def __init__(self, lib_name: str = LIBNRT, fabric_lib: str = lf.LIBFABRIC):
         self.lib_name = lib_name
+        self.fabric_lib = fabric_lib
         self._lib: Any = None
 
     def env(self, name: str) -> str | None:
@@ -78,17 +105,35 @@ class NeuronRuntime:
             return True
         return False if rc in (NRT_UNINITIALIZED, NRT_CLOSED) else None
 
+    def efa_hmem(self) -> bool | None:
+        """Whether libfabric's EFA provider offers FI_HMEM to NIXL's rail hints in this process;
+        None when libfabric.so.1 cannot be loaded. Call it only when the NIXL agent is next: the
+        first ``fi_getinfo`` of the process fixes libfabric's HMEM state for good."""
+        try:
+            fabric = lf.Libfabric(self.fabric_lib)
+        except (OSError, AttributeError):
+            return None
+        return fabric.hmem_provider_available("efa")
+
+    def instance_family(self) -> int | None:
+        """nrt.h's NRT_INSTANCE_* family of this instance; None when libnrt cannot say."""
+        try:
+            f = self._load().nrt_get_instance_info
+        except (OSError, AttributeError):
+            return None
+        info = _InstanceInfo()
+        rc = f(ctypes.byref(info), ctypes.c_size_t(ctypes.sizeof(info)))
+        return int(info.family) if rc == NRT_SUCCESS else None
+
     def efa_device(self, addr: int) -> str | None:
         """PCI address of the EFA device serving the HBM at ``addr``; None if not Neuron HBM.
 
-        The same call NIXL's LIBFABRIC backend makes when it registers Neuron VRAM.
+        nrt.h documents the call for the "VA of a memory allocated on a Neuron device"; NIXL's
+        LIBFABRIC backend makes it with each registered region's base address.
         """
         buf, size = ctypes.create_string_buffer(64), ctypes.c_size_t(64)
         rc = self._load().nrt_get_attached_efa_bdf(ctypes.c_void_p(addr), buf, ctypes.byref(size))
         return buf.value.decode() if rc == NRT_SUCCESS else None
-
-    def is_device_address(self, addr: int) -> bool:
-        return self.efa_device(addr) is not None
 
     def device_index(self, tensor: Any) -> int:
         device = tensor.device
@@ -97,13 +142,19 @@ class NeuronRuntime:
         return int(device.index or 0)
 
     @staticmethod
+    def torch_plugin() -> str | None:
+        """The importable module that gives torch the ``neuron`` device, or None."""
+        for name in TORCH_PLUGINS:
+            try:
+                if importlib.util.find_spec(name) is not None:
+                    return name
+            except (ImportError, ValueError):
+                continue
+        return None
+
+    @staticmethod
     def present() -> bool:
-        try:
-            if importlib.util.find_spec("torch_neuronx") is not None:
-                return True
-        except (ImportError, ValueError):
-            pass
-        return os.path.exists("/dev/neuron0")
+        return NeuronRuntime.torch_plugin() is not None or os.path.exists("/dev/neuron0")
 
 
 def _truthy(value: str | None) -> bool:
@@ -112,13 +163,34 @@ def _truthy(value: str | None) -> bool:
     return v == "true" or (v.isdigit() and int(v) > 0)
 
 
+def core_slice(value: str | None) -> list[int] | None:
+    """Core ids of a ``NEURON_VISIBLE_DEVICES`` value ("0-3", "8,9,10,11"); None when unset."""
+    if value is None or not value.strip():
+        return None
+    cores: list[int] = []
+    try:
+        for part in value.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            cores.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise BackendError(
+            f"NEURON_VISIBLE_DEVICES={value!r} is not a core list or range") from None
+    return cores
+
+
 class NeuronBackend:
-    """KV cache in Neuron HBM (needs torch-neuronx or /dev/neuron0)."""
+    """KV cache in Neuron HBM (needs torch-neuronx, libtorch_neuronx_lite or /dev/neuron0)."""
 
     name = "neuron"
     mem_type = "VRAM"
     #: NIXL backends the transport must create: UCX cannot register Neuron HBM
     nixl_backends = ("LIBFABRIC",)
+    #: NIXL's progress thread stays off for LIBFABRIC as for UCX. From NIXL 1.4.0 the first
+    #: transfer or notification to a peer waits for that peer's LIBFABRIC handshake (up to a
+    #: compiled-in 60 s) with or without the thread -- the thread only changes how it waits -- so
+    #: the thread cannot bound that wait; the transfer thread avoids it instead by never making
+    #: the first call to a peer that has not been heard from (docs/neuron.md, "NIXL versions").
+    nixl_progress_thread = False
 
     def __init__(self, runtime: Any = None):
         self.runtime = runtime if runtime is not None else NeuronRuntime()
@@ -136,55 +208,136 @@ class NeuronBackend:
                 "the process allocates its first Neuron tensor, or KV tensors have data_ptr() == 0 "
                 "and cannot be registered (vllm-neuron's worker sets it; other launchers must)"
             )
+        self._check_efa_env(colocated)
         if not rt.lib_loadable():
             raise BackendError(
                 f"cannot load {LIBNRT} by name (ctypes.CDLL({LIBNRT!r})) or it lacks "
-                "nrt_get_attached_efa_bdf (Neuron runtime 2.31+): NIXL's LIBFABRIC plugin loads it "
-                "by that name to register Neuron HBM; put /opt/aws/neuron/lib on LD_LIBRARY_PATH"
+                "nrt_get_attached_efa_bdf (Neuron runtime 2.31+): libfabric and NIXL's LIBFABRIC "
+                "plugin load it by that name to register Neuron HBM; put /opt/aws/neuron/lib on "
+                "LD_LIBRARY_PATH"
             )
         initialised = rt.initialised()
         if initialised is False:
             raise BackendError(
                 "the Neuron runtime is not initialised: the NIXL agent must be created after it "
-                "(allocate a device tensor first; vllm-neuron initialises it in init_device), "
-                "otherwise LIBFABRIC treats VRAM as host memory"
+                "(allocate a device tensor first; vllm-neuron initialises it in init_device). "
+                "libfabric sets up Neuron memory support once, at the first fi_getinfo of the "
+                "process (the agent's creation); before libfabric 2.5.0 that fails before "
+                "nrt_init and every Neuron registration then fails with -FI_ENOSYS"
             )
         if initialised is None:
             logger.warning(
-                "kv_push neuron: could not tell whether the Neuron runtime is initialised; "
-                "verify_registration will check that the KV really is Neuron HBM"
+                "kv_push neuron: could not tell whether the Neuron runtime is initialised; the "
+                "FI_HMEM check below still sees what NIXL will see"
             )
-        shm = rt.env("FI_EFA_ENABLE_SHM_TRANSFER")
-        if colocated and shm != "0":
-            raise BackendError(
-                f"prefill and decode share this host but FI_EFA_ENABLE_SHM_TRANSFER={shm!r}: set "
-                "it to 0 in both servers, or libfabric's shared-memory path can silently give "
-                "inaccurate outputs (vllm-neuron's DI tutorial)"
-            )
+        self._check_fi_hmem()
         logger.info(
             "kv_push neuron: NIXL backend LIBFABRIC; each Neuron device's HBM reaches the network "
             "through the one EFA device attached to it (about 25 GB/s, one 200 Gb/s rail on "
             "trn2.48xlarge): spread P and D ranks over devices so transfers use different rails"
         )
 
+    def _check_efa_env(self, colocated: bool) -> None:
+        """FI_EFA_USE_DEVICE_RDMA and FI_EFA_ENABLE_SHM_TRANSFER, read as libfabric reads them."""
+        rdma = self.runtime.env("FI_EFA_USE_DEVICE_RDMA")
+        try:
+            on = lf.fi_bool(rdma)
+        except lf.LibfabricValueError as e:
+            raise BackendError(f"FI_EFA_USE_DEVICE_RDMA: {e}; libfabric's EFA provider aborts "
+                               "the process on it. Set FI_EFA_USE_DEVICE_RDMA=1") from None
+        if not on:
+            raise BackendError(
+                f"FI_EFA_USE_DEVICE_RDMA={rdma!r}: set FI_EFA_USE_DEVICE_RDMA=1 in every P and D "
+                "server. AWS documents it as required for NIXL's LIBFABRIC path, not tuning; "
+                "without it the first transfer can stall with no start-up error, and when it is "
+                "false libfabric offers no FI_HMEM, so NIXL registers the KV as host memory"
+            )
+        shm = self.runtime.env("FI_EFA_ENABLE_SHM_TRANSFER")
+        if colocated and lf.fi_int(shm) != 0:
+            raise BackendError(
+                f"prefill and decode share this host but FI_EFA_ENABLE_SHM_TRANSFER={shm!r} "
+                "(libfabric reads it as an integer; unset means 1): set it to 0 in both "
+                "servers, or libfabric's shared-memory path can silently give inaccurate outputs "
+                "(vllm-neuron's DI tutorial)"
+            )
+        if colocated and shm is not None and shm.strip().lower() in ("true", "yes", "on"):
+            logger.warning("kv_push neuron: FI_EFA_ENABLE_SHM_TRANSFER=%r is an integer to "
+                           "libfabric and reads as 0 (shared memory off); write 0", shm)
+
+    def _check_fi_hmem(self) -> None:
+        try:
+            hmem = self.runtime.efa_hmem()
+        except lf.LibfabricError as e:
+            raise BackendError(f"asking libfabric for an FI_HMEM-capable EFA provider failed "
+                               f"({e}); NIXL's LIBFABRIC plugin needs libfabric 1.21 or later"
+                               ) from None
+        if hmem is None:
+            raise BackendError(
+                f"cannot load {lf.LIBFABRIC}: NIXL's LIBFABRIC plugin needs it; put "
+                "/opt/amazon/efa/lib64 on LD_LIBRARY_PATH (the Neuron DLAMI ships EFA)"
+            )
+        if not hmem:
+            raise BackendError(
+                "libfabric's EFA provider offers no FI_HMEM in this process (fi_getinfo with "
+                "NIXL's hints): NIXL would register the Neuron KV as FI_HMEM_SYSTEM and log only "
+                "'VRAM memory requested but provider does not support FI_HMEM'. Causes: "
+                "libnrt.so.1 neither loaded nor on the loader path when libfabric first ran in "
+                "this process, FI_EFA_USE_DEVICE_RDMA=0, FI_HMEM_DISABLE_P2P=1, an FI_HMEM list "
+                "without neuron, an EFA device without RDMA read, a libfabric built without "
+                "Neuron support. Check with "
+                "FI_LOG_LEVEL=info"
+            )
+
+    def check_model(self, *, sliding_window: int | None, tp_size: int) -> None:
+        """Refuse what this backend cannot serve correctly; call before the KV cache exists.
+
+        * A sliding-window model: Neuron's sliding-window KV needs a transfer alignment that only
+          AWS's own connector implements ("NeuronNixlConnector -- required for GPT-OSS because
+          the generic NixlConnector does not include Neuron's sliding-window transfer
+          alignment"); this connector does not, so such models are refused until it does.
+        * On trn2, an engine's core slice (``NEURON_VISIBLE_DEVICES``) must start at a multiple
+          of its TP size: a misaligned slice compiles and then fails in prefill warmup.
+        """
+        if sliding_window:
+            raise BackendError(
+                f"this model uses sliding-window attention (window {sliding_window}): on Neuron "
+                "its KV needs a transfer alignment kv_push does not implement yet; serve it with "
+                "vllm-neuron's NeuronNixlConnector"
+            )
+        cores = core_slice(self.runtime.env("NEURON_VISIBLE_DEVICES"))
+        if cores and tp_size > 1 and cores[0] % tp_size:
+            family = self.runtime.instance_family()
+            if family in NRT_TRN2_FAMILIES:
+                raise BackendError(
+                    f"NEURON_VISIBLE_DEVICES starts at core {cores[0]}, not a multiple of the "
+                    f"tensor-parallel size {tp_size}: on trn2 the TP group's collectives cannot "
+                    f"be mapped and prefill warmup fails; start the slice at a multiple of "
+                    f"{tp_size} (e.g. {cores[0] - cores[0] % tp_size}-"
+                    f"{cores[0] - cores[0] % tp_size + len(cores) - 1})"
+                )
+            if family is None:
+                logger.warning(
+                    "kv_push neuron: NEURON_VISIBLE_DEVICES starts at core %d, not a multiple of "
+                    "TP %d, and the instance type is unknown: on trn2 that fails in warmup",
+                    cores[0], tp_size)
+
     def device_id(self, tensor: Any) -> int:
         return self.runtime.device_index(tensor)
 
     def verify_registration(self, geometry: KVGeometry) -> None:
-        if geometry.mem_type != "VRAM":
-            raise BackendError(f"neuron backend got {geometry.mem_type} memory, expected VRAM")
-        rails = set()
-        for base, length in geometry.regions():
-            for addr in (base, base + length - 1):
-                efa = self.runtime.efa_device(addr)
-                if efa is None:
-                    raise BackendError(
-                        f"KV address {addr:#x} (region {base:#x}+{length}) is not Neuron HBM "
-                        "according to the Neuron runtime (nrt_get_attached_efa_bdf): registering "
-                        "it as VRAM would move host memory or fail"
-                    )
-                rails.add(efa)
+        # nrt_get_attached_efa_bdf is documented for an allocation's address; a region's base is
+        # what NIXL's LIBFABRIC backend passes it when registering that region: probe only that
+        rails = set(verify_regions(self, geometry, self._efa_of, last_byte=False))
         logger.info(
             "kv_push neuron: tp_rank %d KV (%d regions) is Neuron HBM on device %d, EFA %s",
             geometry.tp_rank, len(geometry.regions()), geometry.dev_id, ", ".join(sorted(rails)),
         )
+
+    def _efa_of(self, addr: int) -> str:
+        efa = self.runtime.efa_device(addr)
+        if efa is None:
+            raise BackendError(
+                f"KV address {addr:#x} is not Neuron HBM according to the Neuron runtime "
+                "(nrt_get_attached_efa_bdf): registering it as VRAM would move host memory or fail"
+            )
+        return efa

@@ -89,7 +89,7 @@ def free_port_pair(count: int = 2) -> int:
 def start_peers(*specs, concurrency: int = 3, start_timeout: float = 180.0):
     """Start ``LocalPeer`` processes for ``specs``, a few at a time (start-up is CPU-bound: on a
     small, shared machine more at once only makes each slower); all or nothing."""
-    from kv_push.common.local_peer import LocalPeer
+    from kv_push.common.testing.peer_process import LocalPeer
 
     with ThreadPoolExecutor(min(concurrency, len(specs))) as pool:
         futures = [pool.submit(LocalPeer, spec, start_timeout) for spec in specs]

@@ -60,6 +60,8 @@ class FakeTransport:
     def __init__(self, wire: Wire, name: str):
         self.wire = wire
         self.agent_name = name
+        self.nixl_version = ""  # no NIXL under it: peers on fakes pair with each other
+        self.first_call_waits_for_peer = False
         wire.queues[name] = queue.SimpleQueue()
         self.peers: set[str] = set()
         self.removed: list[str] = []

@@ -9,7 +9,16 @@ the behaviour the backend guards against:
 * the first allocation initialises the runtime (as torch-neuronx's does), recorded in ``events``;
 * only addresses inside allocations count as "device memory"; each device index is served by one
   EFA device (a PCI address), as ``nrt_get_attached_efa_bdf`` reports;
-* ``lib_loadable`` and the initialised state can be set to model a missing or late runtime.
+* ``lib_loadable`` and the initialised state can be set to model a missing or late runtime;
+* libfabric's FI_HMEM answer (``efa_hmem``), as ``fi_getinfo`` with NIXL's hints gives it:
+  libfabric loads ``libnrt.so.1`` once per process, at its first ``fi_getinfo``, so whether the
+  runtime library was visible then is fixed by the first call (``early_fi_getinfo`` models another
+  library calling it first); it is also False when ``FI_EFA_USE_DEVICE_RDMA`` reads false,
+  ``FI_HMEM_DISABLE_P2P`` true or the EFA device lacks RDMA read (``prov/efa/src/
+  efa_user_info.c``), None without libfabric, and an error from a libfabric older than API 1.18.
+  (What libfabric before 2.5.0 does when ``nrt_init`` comes late -- FI_HMEM offered, then
+  ``-FI_ENOSYS`` at registration -- is not modelled: no query shows it before registering.)
+* ``efa_device`` records every address it is asked about (``probed``).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kv_push.common.backend import BackendError
+from kv_push.neuron_push import libfabric as lf
 
 
 @dataclass(frozen=True)
@@ -73,13 +83,21 @@ class FakeNeuronRuntime:
         lib_loadable: bool = True,
         initialised: bool | None = False,
         efa_by_device: dict[int, str] | None = None,
+        fabric: tuple[int, int] | None = (2, 5),
+        efa_rdma_read: bool = True,
+        family: int | None = None,
     ):
         self.environ = dict(env or {})
         self._lib_loadable = lib_loadable
         self._initialised = initialised
         self.efa_by_device = efa_by_device or {0: "0000:10:1c.0", 1: "0000:20:1c.0"}
+        self.fabric = fabric  # libfabric version; None: libfabric.so.1 not loadable
+        self.efa_rdma_read = efa_rdma_read
+        self.family = family  # nrt.h NRT_INSTANCE_* (5: TRN2, 14: TRN3); None: unknown
+        self._hmem: bool | None = None  # fixed at the first fi_getinfo
         self.allocations: list[tuple[int, int, int]] = []  # (address, bytes, device index)
         self.events: list[str] = []
+        self.probed: list[int] = []
 
     # -- the NeuronRuntime surface ---------------------------------------------------------
     def env(self, name: str) -> str | None:
@@ -91,14 +109,33 @@ class FakeNeuronRuntime:
     def initialised(self) -> bool | None:
         return self._initialised
 
+    def efa_hmem(self) -> bool | None:
+        if self.fabric is None:
+            return None
+        if self.fabric < (1, 18):
+            raise lf.LibfabricError("fi_getinfo('efa') returned -38")  # -FI_ENOSYS
+        if self._hmem is None:  # libfabric's fi_ini: once per process
+            self.events.append("fi_getinfo")
+            self._hmem = self._lib_loadable and self.efa_rdma_read
+        rdma = lf.fi_bool(self.environ.get("FI_EFA_USE_DEVICE_RDMA"))
+        p2p_off = lf.fi_bool(self.environ.get("FI_HMEM_DISABLE_P2P"))
+        return self._hmem and rdma is not False and not p2p_off
+
+    def instance_family(self) -> int | None:
+        return self.family
+
+    def early_fi_getinfo(self) -> None:
+        """Another library in the process calls fi_getinfo now (libfabric's state is fixed)."""
+        if self.fabric is not None and self._hmem is None:
+            self.events.append("fi_getinfo")
+            self._hmem = self._lib_loadable and self.efa_rdma_read
+
     def efa_device(self, addr: int) -> str | None:
+        self.probed.append(addr)
         for base, n, device in self.allocations:
             if base <= addr < base + n:
                 return self.efa_by_device[device]
         return None
-
-    def is_device_address(self, addr: int) -> bool:
-        return self.efa_device(addr) is not None
 
     def device_index(self, tensor) -> int:
         if tensor.device.type not in ("neuron", "privateuseone"):

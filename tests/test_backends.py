@@ -9,6 +9,7 @@ tensors, describe them, register them with a real NIXL agent and verify the regi
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -19,17 +20,22 @@ import torch
 from kv_push.common import geometry as G
 from kv_push.common.backend import (
     BACKEND_ENV,
+    BACKENDS,
+    NIXL_BACKENDS,
     BackendError,
     HostBackend,
-    describe_kv_caches,
+    KVBackend,
     select_backend,
+    verify_regions,
 )
+from kv_push.common.config import PushConfig
 from kv_push.common.geometry import GeometryError, KVGeometry
+from kv_push.common.kv_tensors import describe_kv_caches
 from kv_push.gpu_push.backend import CudaBackend, ucx_tls_missing_cuda
 from kv_push.neuron_push.backend import NeuronBackend
 from neuron_standin import FakeNeuronRuntime
 
-GOOD_ENV = {"NEURON_RT_MAP_HBM": "1"}
+GOOD_ENV = {"NEURON_RT_MAP_HBM": "1", "FI_EFA_USE_DEVICE_RDMA": "1"}
 
 
 def vector_addr(g: KVGeometry, layer: int, kv: int, block: int, token: int, head: int) -> int:
@@ -37,6 +43,80 @@ def vector_addr(g: KVGeometry, layer: int, kv: int, block: int, token: int, head
     base = (g.k_bases if kv == 0 else g.v_bases)[layer] + block * g.block_stride
     index = token * g.local_heads + head if g.token_order == "NHD" else head * g.block_size + token
     return base + index * g.vec_bytes
+
+
+# -- the seam and the table -----------------------------------------------------------------
+
+
+def test_every_backend_in_the_table_loads_and_honours_the_seam():
+    members = [n for n in vars(KVBackend) if not n.startswith("_")]
+    members += list(KVBackend.__annotations__)
+    for name, spec in BACKENDS.items():
+        module, _, attr = spec.partition(":")
+        cls = getattr(__import__(module, fromlist=[attr]), attr)
+        assert cls.name == name
+        assert cls.mem_type in ("DRAM", "VRAM")
+        assert isinstance(cls.available(), bool)
+        assert PushConfig(backend=name).validate().backend == name  # the config knows it
+        for m in members:
+            assert hasattr(cls, m) or m == "nixl_backends", f"{cls.__name__} lacks {m}"
+    # instance attribute for cuda (configurable), class attribute for the others
+    for backend in (HostBackend(), CudaBackend(), NeuronBackend(runtime=ready_runtime())):
+        assert backend.nixl_backends and set(backend.nixl_backends) <= set(NIXL_BACKENDS)
+    assert list(BACKENDS)[-1] == "host"  # detection falls back to host, always available
+
+
+def test_every_seam_method_is_documented():
+    import inspect
+
+    for name in ("available", "prepare", "device_id", "verify_registration"):
+        doc = inspect.getdoc(getattr(KVBackend, name)) or ""
+        params = [p for p in inspect.signature(getattr(KVBackend, name)).parameters
+                  if p not in ("self", "cls")]
+        assert all(f"{p}:" in doc for p in params), name
+        assert "Returns:" in doc or "Raises:" in doc, name
+
+
+class Probe:
+    """A per-address check: memory is the given ranges, named by what serves them."""
+
+    def __init__(self, ranges):
+        self.ranges, self.asked = ranges, []
+
+    def __call__(self, addr):
+        self.asked.append(addr)
+        for base, n, what in self.ranges:
+            if base <= addr < base + n:
+                return what
+        raise BackendError(f"KV address {addr:#x} is not device memory")
+
+
+def _vram(bases=(1 << 40, (1 << 40) + 4096), num_blocks=2, mem_type="VRAM"):
+    return G.kv_split(layer_bases=[bases], num_kv_heads=1, head_size=8, dtype_bytes=2,
+                      dtype="bfloat16", block_size=4, num_blocks=num_blocks, mem_type=mem_type)
+
+
+def test_verify_regions_checks_both_ends_of_every_region():
+    backend = NeuronBackend(runtime=ready_runtime())
+    g = _vram()
+    (k, klen), (v, vlen) = g.regions()
+    probe = Probe([(k, klen, "rail-k"), (v, vlen, "rail-v")])
+    assert verify_regions(backend, g, probe) == ["rail-k", "rail-k", "rail-v", "rail-v"]
+    assert probe.asked == [k, k + klen - 1, v, v + vlen - 1]
+    short = Probe([(k, klen, "rail-k"), (v, vlen - 1, "rail-v")])  # V's last byte is not HBM
+    with pytest.raises(BackendError, match=rf"{v + vlen - 1:#x} is not device memory "
+                                           rf"\[KV region {v:#x}\+{vlen}, tp_rank 0\]"):
+        verify_regions(backend, g, short)
+
+
+def test_verify_regions_checks_the_memory_type_first():
+    probe = Probe([])
+    with pytest.raises(BackendError, match="neuron backend got DRAM memory, expected VRAM"):
+        verify_regions(NeuronBackend(runtime=ready_runtime()), _vram(mem_type="DRAM"), probe)
+    assert probe.asked == []
+    with pytest.raises(BackendError, match="host backend got VRAM memory, expected DRAM"):
+        HostBackend().verify_registration(_vram())
+    HostBackend().verify_registration(_vram(mem_type="DRAM"))
 
 
 # -- selection ------------------------------------------------------------------------------
@@ -145,6 +225,12 @@ class FakeCudaDriver:
                 return ordinal
         return None
 
+    def allocation_range(self, addr):
+        for base, n, _ in self.ranges:
+            if base <= addr < base + n:
+                return base, n
+        return None
+
 
 def test_cuda_verify_registration_rejects_host_and_wrong_gpu():
     g = G.kv_split(layer_bases=[(1 << 40, (1 << 40) + 4096)], num_kv_heads=2, head_size=8,
@@ -163,6 +249,17 @@ def test_cuda_verify_registration_rejects_host_and_wrong_gpu():
             G.kv_split(layer_bases=[(4096, 8192)], num_kv_heads=1, head_size=8, dtype_bytes=2,
                        dtype="bfloat16", block_size=4, num_blocks=2)
         )
+
+
+def test_cuda_verify_registration_rejects_a_region_crossing_allocations():
+    g = G.kv_split(layer_bases=[(1 << 40, (1 << 40) + 4096)], num_kv_heads=2, head_size=8,
+                   dtype_bytes=2, dtype="bfloat16", block_size=16, num_blocks=8,
+                   mem_type="VRAM", dev_id=0)
+    (k, klen), (v, vlen) = g.regions()
+    # both ends are device memory of GPU 0, but K's region runs from one allocation into the next
+    two = FakeCudaDriver([(k, klen // 2, 0), (k + klen // 2, v + vlen - k - klen // 2, 0)])
+    with pytest.raises(BackendError, match="crosses CUDA allocations"):
+        CudaBackend(driver=two).verify_registration(g)
 
 
 def test_cuda_device_id_rejects_cpu_tensors():
@@ -190,7 +287,9 @@ def test_neuron_available_false_without_torch_neuronx_or_device():
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "no"])
 def test_neuron_prepare_requires_map_hbm(value):
-    env = {} if value is None else {"NEURON_RT_MAP_HBM": value}
+    env = {**GOOD_ENV, "NEURON_RT_MAP_HBM": value}
+    if value is None:
+        del env["NEURON_RT_MAP_HBM"]
     rt = FakeNeuronRuntime(env, initialised=True)
     with pytest.raises(BackendError, match="set NEURON_RT_MAP_HBM=1 before"):
         NeuronBackend(runtime=rt).prepare()
@@ -198,7 +297,7 @@ def test_neuron_prepare_requires_map_hbm(value):
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "2"])
 def test_neuron_prepare_accepts_map_hbm(value):
-    rt = FakeNeuronRuntime({"NEURON_RT_MAP_HBM": value}, initialised=True)
+    rt = FakeNeuronRuntime({**GOOD_ENV, "NEURON_RT_MAP_HBM": value}, initialised=True)
     NeuronBackend(runtime=rt).prepare()
 
 
@@ -236,7 +335,7 @@ def test_neuron_prepare_warns_when_initialisation_cannot_be_told(caplog):
     assert "could not tell whether the Neuron runtime is initialised" in caplog.text
 
 
-@pytest.mark.parametrize("value", [None, "1", "true"])
+@pytest.mark.parametrize("value", [None, "1", "2"])  # libfabric reads "true" as 0 (an int)
 def test_neuron_colocated_requires_shm_transfer_off(value):
     env = dict(GOOD_ENV) if value is None else {**GOOD_ENV, "FI_EFA_ENABLE_SHM_TRANSFER": value}
     rt = FakeNeuronRuntime(env, initialised=True)
@@ -314,16 +413,14 @@ def test_neuron_verify_registration_rejects_host_memory_presented_as_hbm():
         NeuronBackend(runtime=rt).verify_registration(g)
 
 
-def test_neuron_verify_registration_rejects_a_region_running_past_hbm():
+def test_neuron_verify_registration_probes_only_region_bases():
+    # nrt_get_attached_efa_bdf is documented for an allocation's address; NIXL's LIBFABRIC
+    # backend passes each registered region's base. No source covers a region's last byte.
     rt = ready_runtime()
-    t = rt.empty((2, 6, 4, 8, 16))
-    g = describe_neuron([t], rt)
-    longer = G.kv_split(  # claims two more blocks than were allocated
-        layer_bases=[(g.k_bases[0], g.v_bases[0])], num_kv_heads=4, head_size=16, dtype_bytes=2,
-        dtype="bfloat16", block_size=8, num_blocks=8, token_order="HND", mem_type="VRAM",
-    )
-    with pytest.raises(BackendError, match="is not Neuron HBM"):
-        NeuronBackend(runtime=rt).verify_registration(longer)
+    layers = [rt.empty((2, 6, 4, 8, 16)) for _ in range(2)]
+    g = describe_neuron(layers, rt)
+    NeuronBackend(runtime=rt).verify_registration(g)
+    assert rt.probed == [base for base, _ in g.regions()]
 
 
 def test_neuron_verify_registration_rejects_dram_geometry():
@@ -426,12 +523,24 @@ def _nixl_agent(name: str, backends):
     return nixl_api.nixl_agent(name, nixl_api.nixl_agent_config(backends=list(backends)))
 
 
+def neuron_hardware_or_skip() -> str:
+    """Import the torch plugin this Neuron environment has, or skip: torch-neuronx, or the
+    libtorch_neuronx_lite that Neuron SDK 2.32's vllm-neuron 0.24 environment has instead."""
+    from kv_push.neuron_push.backend import NeuronRuntime
+
+    plugin = NeuronRuntime.torch_plugin()
+    if plugin is None or not os.path.exists("/dev/neuron0"):
+        pytest.skip("needs a Neuron device and torch-neuronx or libtorch_neuronx_lite")
+    importlib.import_module(plugin)  # registers the neuron device
+    return plugin
+
+
 @pytest.mark.neuron
-@pytest.mark.skipif(not NeuronBackend.available(), reason="needs Trainium and torch-neuronx")
 def test_neuron_hardware_describe_register_verify():
     # must hold before this process's first device allocation (a fresh pytest process)
     os.environ.setdefault("NEURON_RT_MAP_HBM", "1")
-    import torch_neuronx  # noqa: F401  (registers the neuron device)
+    os.environ.setdefault("FI_EFA_USE_DEVICE_RDMA", "1")
+    neuron_hardware_or_skip()
 
     nb, h, bs, d = 16, 2, 32, 128
     layers = [torch.zeros(2, nb, h, bs, d, dtype=torch.bfloat16, device="neuron:0")

@@ -150,14 +150,57 @@ def test_producer_keeps_blocks_until_sent_and_reports_aborts():
     assert s.take_plan().prefill_aborts == ["t2"]
 
 
+def vllm_config(extra, role="kv_consumer"):
+    ktc = SimpleNamespace(kv_connector_extra_config=extra, kv_role=role, engine_id="e",
+                          is_kv_producer=role == "kv_producer")
+    return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+
+
+def test_scheduler_half_counts_bad_params_into_vllm_stats_and_metrics():
+    """The scheduler process has no transfer thread: its own counters must reach vLLM's stats
+    (vLLM's scheduler adds the scheduler half's ``get_kv_connector_stats`` to the workers')."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kv_push.common.connector import KVPushConnector
+    from kv_push.common.connector_stats import KVPushPromMetrics, KVPushStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    c = KVPushConnector(vllm_config({}), KVConnectorRole.SCHEDULER, None)
+    assert c.get_kv_connector_stats() is None  # nothing counted yet
+    bad = req("r", {"transfer_id": "t", "do_remote_prefill": True, "remote_port": 1})
+    assert c.get_num_new_matched_tokens(bad, 0) == (0, False)  # served locally
+    assert c.get_num_new_matched_tokens(bad, 0) == (0, False)  # scheduled again: not recounted
+    from vllm.v1.request import RequestStatus
+
+    bad.status = RequestStatus.FINISHED_STOPPED
+    assert c.request_finished(bad, []) == (False, None)  # parses them again: still one request
+    stats = c.get_kv_connector_stats()
+    assert stats.data == {"rejected": 1.0, "rejected{bad_transfer_params}": 1.0}
+    assert c.get_kv_connector_stats() is None  # reset once handed over
+    # as vLLM does: the workers' stats of the step, plus the scheduler half's, into Prometheus
+    workers = KVPushStats(data={"transfers_done": 2.0, "rejected": 1.0,
+                                "rejected{unknown_peer}": 1.0})
+    registry = CollectorRegistry()
+
+    def counter(*args, **kw):
+        return Counter(*args, registry=registry, **kw)
+
+    prom = KVPushPromMetrics(vllm_config({}), {Gauge: Gauge, Counter: counter,
+                                               Histogram: Histogram},
+                             ["engine"], {0: ["0"]})
+    prom.observe(workers.aggregate(stats).to_dict(), engine_idx=0)
+    value = registry.get_sample_value
+    assert value("vllm:kv_push_rejected_total", {"engine": "0",
+                                                 "reason": "bad_transfer_params"}) == 1
+    assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": "unknown_peer"}) == 1
+    assert value("vllm:kv_push_transfers_done_total", {"engine": "0", "reason": ""}) == 2
+
+
 def test_connector_rejects_bad_extra_config_at_start_up():
     from kv_push.common.connector import KVPushConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    def config(extra, role="kv_consumer"):
-        ktc = SimpleNamespace(kv_connector_extra_config=extra, kv_role=role, engine_id="e",
-                              is_kv_producer=role == "kv_producer")
-        return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+    config = vllm_config
 
     c = KVPushConnector(config({"heartbeat_interval_s": 2}), KVConnectorRole.SCHEDULER, None)
     assert c.push_config.heartbeat_interval_s == 2.0

@@ -22,7 +22,7 @@ import pytest
 from test_e2e_vllm import (  # noqa: F401 - fixtures are used by name
     NUM_PROMPTS, _complete, _signature, _venvs, prompts, tiny_model,
 )
-from vllm_servers import free_port, metric, router, vllm_server
+from kv_push.common.testing.vllm_servers import free_port, metric, router, vllm_server
 
 pytestmark = pytest.mark.e2e
 

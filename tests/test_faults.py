@@ -26,7 +26,6 @@ import msgspec
 import numpy as np
 import pytest
 
-from kv_push.common.local_peer import PeerSpec
 from kv_push.common.messages import (
     PROTOCOL_VERSION,
     Codec,
@@ -35,7 +34,8 @@ from kv_push.common.messages import (
     MessageRejected,
     Register,
 )
-from kv_push.common.synthetic_kv import fragmented_blocks
+from kv_push.common.testing.block_ids import fragmented_blocks
+from kv_push.common.testing.peer_process import PeerSpec
 
 try:
     from conftest import (assert_no_leaks, close_peers, counter, free_port, live_state,

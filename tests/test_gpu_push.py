@@ -1,7 +1,8 @@
 """VRAM -> VRAM push between two processes on one CUDA GPU, bytes verified on the GPU.
 
 A small version of ``benchmarks/bench_transfer_gpu.py``'s check, through the production path
-(``describe_kv_caches(..., backend=CudaBackend())``, ``PushWorker``, NIXL UCX): one producer with
+(``describe_kv_caches(..., backend=CudaBackend())``, ``PushWorker``, NIXL UCX), with the peers'
+torch memory from ``kv_push.common.testing.torch_pool``: one producer with
 vLLM FlashAttention-shaped KV (per layer ``(2, num_blocks, 16, heads, head_size)`` bf16,
 ``kv_split``) pushes into decoders with block size 32 and ``blocks_first`` tensors
 (``(num_blocks, 2, 32, heads, head_size)``), one token-major (NHD) and one head-major (HND, a
@@ -24,16 +25,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kv_push.common.layout import plan_writes
-from kv_push.common.local_peer import PeerSpec
-from kv_push.common.synthetic_kv import fragmented_blocks
+from kv_push.common.testing.block_ids import fragmented_blocks
+from kv_push.common.testing.peer_process import LocalPeer, PeerSpec
 
 
 def _device() -> str | None:
@@ -57,15 +56,15 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_NIXL, reason="needs the nixl package"),
 ]
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 LAYERS, HEADS, HEAD_SIZE = 4, 8, 128
 P_BLOCKS, D_BLOCKS = 160, 96  # 2,560 tokens at 16, 3,072 at 32
 
 
-def _spec(role: str, placement: str, order: str, block_size: int, blocks: int, **kw) -> PeerSpec:
+def _spec(role: str, placement: str, order: str, block_size: int, blocks: int, alloc: str,
+          **kw) -> PeerSpec:
     return PeerSpec(role=role, placement=placement, token_order=order, block_size=block_size,
                     num_blocks=blocks, num_layers=LAYERS, num_kv_heads=HEADS,
-                    head_size=HEAD_SIZE, dtype_bytes=2,
+                    head_size=HEAD_SIZE, dtype_bytes=2, memory=f"torch:{DEVICE}", alloc=alloc,
                     config={"heartbeat_interval_s": 10.0, **kw.pop("config", {})}, **kw)
 
 
@@ -73,27 +72,21 @@ def _spec(role: str, placement: str, order: str, block_size: int, blocks: int, *
 def peers(request):
     """P, D_nhd, D_hnd. ``pool``: each process's layers are views of one allocation;
     ``per_layer``: one allocation per layer, as vLLM allocates its KV cache."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # the children import bench_transfer_gpu from here
-    import bench_transfer_gpu as bt
-    from kv_push.common.demo import ServerPeer
-
-    os.environ[bt.DEVICE_ENV] = DEVICE  # inherited by the spawned children
-    os.environ[bt.ALLOC_ENV] = request.param
+    alloc = request.param
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    # engine ids differ in their first 12 characters: PushWorker names its NIXL agent
-    # "kvpush-<engine_id[:12]>-r<rank>", and a producer refuses (NIXL_ERR_NOT_ALLOWED) a second
-    # decoder whose agent name collides with one it already loaded
+    # a producer refuses (NIXL_ERR_NOT_ALLOWED) a second decoder whose agent name collides with
+    # one it already loaded; PushWorker names its agent "kvpush-<engine_id>-r<rank>-<random>",
+    # so names never collide, and distinct engine ids keep the logs readable
     specs = {
-        "P": _spec("producer", "kv_split", "NHD", 16, P_BLOCKS, engine_id="prefill-gpu-test",
-                   config={"side_channel_port": 0}),
-        "D_nhd": _spec("decoder", "blocks_first", "NHD", 32, D_BLOCKS,
+        "P": _spec("producer", "kv_split", "NHD", 16, P_BLOCKS, alloc,
+                   engine_id="prefill-gpu-test", config={"side_channel_port": 0}),
+        "D_nhd": _spec("decoder", "blocks_first", "NHD", 32, D_BLOCKS, alloc,
                        engine_id="nhd-decode-gpu-test"),
-        "D_hnd": _spec("decoder", "blocks_first", "HND", 32, D_BLOCKS,
+        "D_hnd": _spec("decoder", "blocks_first", "HND", 32, D_BLOCKS, alloc,
                        engine_id="hnd-decode-gpu-test"),
     }
     with ThreadPoolExecutor(len(specs)) as ex:
-        futures = {k: ex.submit(ServerPeer, s, bt.SERVER, 240.0) for k, s in specs.items()}
+        futures = {k: ex.submit(LocalPeer, s, 240.0) for k, s in specs.items()}
     started, errors = {}, []
     for k, f in futures.items():
         try:
@@ -105,7 +98,7 @@ def peers(request):
             p.close()
         raise errors[0]
     try:
-        started["alloc"] = request.param
+        started["alloc"] = alloc
         yield started
     finally:
         started.pop("alloc", None)
@@ -124,7 +117,7 @@ _seq = iter(range(10_000))
 def test_vram_push_bytes_verified(peers, figures, decoder, num_tokens, first_token):
     P, D = peers["P"], peers[decoder]
     pinfo, dinfo = P.call("info"), D.call("info")
-    pgeo, dgeo = P.call("geometry_"), D.call("geometry_")
+    pgeo, dgeo = P.call("geometry"), D.call("geometry")
     if DEVICE == "cuda":
         assert pinfo["backend"] == dinfo["backend"] == "cuda"
         assert pgeo.mem_type == dgeo.mem_type == "VRAM"
@@ -168,12 +161,10 @@ def test_vram_push_bytes_verified(peers, figures, decoder, num_tokens, first_tok
 def test_pattern_differs_across_layers_kv_tokens_heads():
     """The check would catch misplaced vectors: the function differs along every axis."""
     torch = pytest.importorskip("torch")
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import bench_transfer_gpu as bt
+    from kv_push.common.testing.torch_pool import CANARY_D, TensorPattern, as_i16
 
     dev = torch.device("cuda" if DEVICE == "cuda" else "cpu")
-    pat = bt.Pattern(torch, dev, head_lo=0, heads=HEADS, head_size=HEAD_SIZE)
+    pat = TensorPattern(torch, dev, head_lo=0, heads=HEADS, head_size=HEAD_SIZE)
     a = pat.values(1, 0, 0, 0, 64)
     assert a.shape == (64, HEADS, HEAD_SIZE) and a.dtype == torch.int16
     assert torch.equal(a, pat.values(1, 0, 0, 0, 64))  # deterministic
@@ -184,4 +175,4 @@ def test_pattern_differs_across_layers_kv_tokens_heads():
     assert (a[1:] != a[:-1]).float().mean() > 0.99  # tokens
     assert (a[:, 1:] != a[:, :-1]).float().mean() > 0.99  # heads
     assert (a[..., 1:] != a[..., :-1]).float().mean() > 0.99  # elements
-    assert (a == bt._as_i16(bt.CANARY_D)).float().mean() < 0.01
+    assert (a == as_i16(CANARY_D)).float().mean() < 0.01

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,8 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_push.common.router import PULL_PREFILL_PARAMS, Router, build_app
-from kv_push.common.router_config import RouterConfig, parse_args, parse_prefill_spec
+from kv_push.common.router.app import PULL_PREFILL_PARAMS, Router, build_app
+from kv_push.common.router.config import RouterConfig, parse_args, parse_prefill_spec
+from kv_push.common.router.pool import Backend, BackendPool
 
 try:
     from tests.fake_vllm import FakeVLLM, bind, free_port, serve_all
@@ -368,6 +372,21 @@ async def test_metrics_health_and_models():
         assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "d0"
 
 
+async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
+    """``vllm bench serve`` calls /tokenize and /detokenize on the URL it benchmarks."""
+    async with cluster(n_d=2) as c:
+        r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"},
+                                headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        assert r.json() == {"tokens": [97, 98, 99], "count": 3, "server": "d0",
+                            "authorization": "Bearer k"}
+        assert (await c.client.post("/detokenize", json={"tokens": [1]})).status_code == 404
+        assert not any(f.records for f in c.prefills + c.decodes)  # no legs dispatched
+    async with cluster(dead_decode=True) as c:
+        r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"})
+        assert r.status_code == 502 and "cannot connect" in r.json()["error"]["message"]
+
+
 # -- configuration -----------------------------------------------------------------------------
 
 
@@ -402,3 +421,42 @@ def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
     assert parse_prefill_spec("http://p:1").kv is None  # fine for pull mode
     with pytest.raises(ValueError, match="needs kv=HOST:PORT"):
         RouterConfig(prefill=(parse_prefill_spec("http://p:1"),), decode=("http://d:2",))
+
+
+# -- backend pool ------------------------------------------------------------------------------
+
+
+class _Gauge:
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+def test_pool_picks_least_outstanding_with_round_robin_ties():
+    gauges = [_Gauge() for _ in range(3)]
+    pool = BackendPool([Backend("decode", f"http://d{i}:1", g) for i, g in enumerate(gauges)])
+    assert [g.value for g in gauges] == [0, 0, 0]
+    leases = [pool.acquire() for _ in range(3)]  # all tied: one each, in turn
+    assert [lease.backend.url for lease in leases] == ["http://d0:1", "http://d1:1", "http://d2:1"]
+    leases[1].release()
+    leases[1].release()  # idempotent: counted once
+    assert [b.outstanding for b in pool.backends] == [1, 0, 1]
+    assert gauges[1].value == 0 and gauges[0].value == 1
+    again = pool.acquire()  # d1 is the only one with the fewest
+    assert again.backend.url == "http://d1:1" and gauges[1].value == 1
+    with pytest.raises(ValueError, match="at least one backend"):
+        BackendPool([])
+
+
+def test_module_entry_point_is_the_command_line(tmp_path):
+    """``python -m kv_push.common.router`` (used by scripts and tests) is the CLI."""
+    # cwd elsewhere: the repository root's kv_push/ must not shadow the package under test.
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    out = run([sys.executable, "-m", "kv_push.common.router", "--help"])
+    assert out.returncode == 0 and "upstream-push" in out.stdout, out.stderr
+    out = run([sys.executable, "-m", "kv_push.common.router", "--prefill", "http://p:1",
+               "--decode", "http://d:2"])
+    assert out.returncode == 2 and "kv=HOST:PORT" in out.stderr, out.stderr

@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kv_push.common.local_peer import PeerSpec
-from kv_push.common.synthetic_kv import fragmented_blocks
+from kv_push.common.testing.block_ids import fragmented_blocks
+from kv_push.common.testing.peer_process import PeerSpec
 
 try:
     from conftest import assert_no_leaks, close_peers, counter, free_port_pair, live_state, \

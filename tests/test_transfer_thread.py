@@ -33,7 +33,7 @@ from kv_push.common.messages import (
 )
 from kv_push.common.metrics import Counters
 from kv_push.common.transfer_thread import Peer, RoleContext, TransferThread
-from kv_push.common.transport import TransportError
+from kv_push.common.transport import Transport, TransportError
 
 from fakes import FakeClock, FakeTransport, Wire
 
@@ -114,6 +114,14 @@ def test_unstarted_thread_is_a_role_context_driven_by_step():
     assert t.counters.get("peers_dead") == 1 and ta.removed == ["B"]
     t.close()
     assert ta.closed and role.closed == 1
+
+
+def test_fake_transport_stands_in_for_every_member_of_the_seam():
+    wire = Wire()
+    a = FakeTransport(wire, "A")
+    seam = [n for n, v in vars(Transport).items() if not n.startswith("_") and callable(v)]
+    assert seam and all(callable(getattr(a, n, None)) for n in seam)
+    assert all(hasattr(a, n) for n in Transport.__annotations__)
 
 
 # -- roles and helpers ---------------------------------------------------------------------------

@@ -1,69 +1,16 @@
-"""OpenAI-compatible HTTP router in front of prefill (P) and decode (D) vLLM servers.
+"""The router's HTTP side: the FastAPI app, the dispatch of each request's two legs, and the
+streaming of D's response to the client.
 
-Run ``kv-push-router --prefill URL,kv=HOST:PORT --decode URL [--mode push|pull|upstream-push]``
-(see :mod:`kv_push.common.router_config`), or build the app in-process with :func:`build_app`.
+Per ``POST /v1/completions`` / ``/v1/chat/completions`` one P and one D are picked
+(:class:`~kv_push.common.router.pool.BackendPool`), a transfer id is made (also both legs'
+``X-Request-Id``) and the legs are sent per ``--mode``: ``push`` (this project's connector) and
+``upstream-push`` (vLLM's ``NixlPushConnector``, once P's engine id is known) at the same time,
+``pull`` (vLLM's ``NixlConnector``) P first. The P leg asks for one token, not streamed; D's
+response is the client's. A P failure before D's first byte cancels D and becomes the client's
+error (OpenAI-style body; 502 connect, 504 timeout, else the upstream status); a D failure cancels
+P; a P failure after D's first byte is only counted. A client that goes away cancels both legs.
 
-Per ``POST /v1/completions`` / ``/v1/chat/completions`` the router picks one P and one D by least
-outstanding requests (ties: round robin), makes a transfer id ``tid`` (``uuid4().hex``, also the
-``X-Request-Id`` of both legs) and dispatches by ``--mode``. The P leg is always the client's
-body with ``max_tokens=1`` (``max_completion_tokens=1`` if present), ``stream=false``, without
-``stream_options``/``min_tokens``; the D leg is the body with only ``kv_transfer_params`` set.
-
-``push`` (this project's connector): both legs at once; P gets ``{"transfer_id",
-"do_remote_decode"}``, D ``{"transfer_id", "do_remote_prefill", "remote_host", "remote_port"}``
-(P's side channel). D's response is the client's. A P failure before D's first byte cancels D and
-goes to the client (502 connect error, 504 timeout, else the upstream status; OpenAI-style body);
-a D failure cancels P; a P failure after D's first byte is only counted
-(``kv_push_router_late_prefill_failures_total``), as D has its own failure handling.
-
-``pull`` (vLLM ``NixlConnector``, as vLLM's example proxy does it): P first with
-:data:`PULL_PREFILL_PARAMS`, then D with the ``kv_transfer_params`` of P's JSON response verbatim
-(pull_scheduler.py ``request_finished``: remote_engine_id, remote_block_ids, remote_host, ...).
-
-``upstream-push`` (vLLM 0.32 ``NixlPushConnector``; files under
-``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``):
-
-* P reads only ``do_remote_decode`` (push_scheduler.py:147, :226); we send the pull P dict.
-* D reads ``do_remote_prefill`` (push_scheduler.py:119, :157), ``remote_engine_id``,
-  ``remote_host``, ``remote_port``, ``tp_size`` (indexed without default, :184-187: a missing key
-  is a KeyError in D's scheduler) and ``pp_size`` (default 1, :188). No block ids: D sends P a
-  PUSH_REG NIXL notification with its own blocks and P WRITEs into them.
-* ``remote_engine_id`` must be P's real engine id (D's handshake rejects a mismatch,
-  base_worker.py:1112). vLLM draws it at random per start (config/kv_transfer.py:112; ``_dp<rank>``
-  appended with DP, v1/engine/utils.py:488), so unless ``--prefill ...,engine_id=ID`` is given the
-  router learns it (and tp/pp) from the ``kv_transfer_params`` P returns (push_scheduler.py:281-293,
-  ``transfer_mode="push"``): a P's requests go serially until its id is known, then
-  concurrently, re-learning on every P response (restarts). A serial D leg gets the same params
-  as a concurrent one, not P's verbatim: P's verbatim params carry ``remote_request_id``, which
-  turns on D's heartbeats (base_scheduler.py:199-236), and D's first heartbeat starts a full
-  handshake with P (base_worker.py:3185, not notif-only) that D's PUSH_REG then waits on
-  (``_ensure_handshake`` shares one future per engine). On this 2-core box that handshake
-  finished only as P's 30 s lease ran out ("Releasing expired KV blocks ... retrieved by 0 remote
-  worker(s)"), so P never wrote and D hung (why it took so long was not found). Without
-  heartbeats D's notif-only handshake (push_worker.py:328-338) was usually quicker, but under
-  heavy load (load average ~19 on 2 cores) a serial first request still hung the same way once:
-  D's leg starts only after P's 30 s lease has begun. Give ``engine_id=`` to skip that phase.
-* Concurrent legs are supported: P parks whichever of its finished blocks / D's registration
-  comes first (push_worker.py:255-264, :297-313). They match by request id with vLLM's random
-  ``-xxxxxxxx`` suffix stripped (push_worker.py:398-428, utils.py:62-67). Those ids are
-  ``cmpl-{X-Request-Id}-{i}-{rand8}`` (completion/serving.py:141,177; input_processor.py:371) and
-  ``chatcmpl-{X-Request-Id}-{rand8}`` (chat_completion/serving.py:315), so both legs must use the
-  same endpoint and the same ``X-Request-Id``; otherwise D waits silently for its registration
-  watchdog (``push_registration_timeout``, default ``decoder_kv_blocks_ttl`` = 480 s).
-* D's ``remote_request_id`` must be present: push_scheduler.py:200-201 seeds only
-  ``remote_block_ids`` before queueing the request in ``_reqs_need_recv``, and the base
-  scheduler's ``build_connector_meta`` (base_scheduler.py:488) calls metadata.py
-  ``add_new_req_to_recv``, which indexes ``kv_transfer_params["remote_request_id"]`` without a
-  default (metadata.py:334): a missing key is a KeyError that kills D's EngineCore. P's id
-  (``cmpl-{X-Request-Id}-0-{rand8}``) is unknown up front, so we send ``None``. On D it only
-  ends up in ``RemoteMeta.request_id``, which push mode only logs (base_worker.py:1241; the
-  PUSH_REG carries D's own request id and P's completion notification names D's request), and
-  ``None`` makes D skip heartbeats (base_scheduler.py:214-222), which could not name P's
-  request anyway.
-
-Also: ``GET /v1/models`` (first D's), ``GET /health`` (backends, outstanding counts;
-``?probe=1`` checks each backend's ``/health``, 503 if one fails), ``GET /metrics`` (prefix
-``kv_push_router_``, private registry per app).
+What each mode sends and why (with the vLLM source it was read from): ``docs/router.md``.
 """
 
 from __future__ import annotations
@@ -85,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
-from kv_push.common.router_config import Backend, BackendPool, RouterConfig, parse_args
+from kv_push.common.router.config import RouterConfig, parse_args
+from kv_push.common.router.pool import Backend, BackendPool
 
 logger = logging.getLogger("kv_push.router")
 
@@ -442,7 +390,7 @@ class Router:
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
             p_json = await self._await(ex, ex.p_task)
             # upstream-push: P's reply taught us its engine id (_prefill_leg); D gets the same
-            # params as a concurrent leg, not P's verbatim (see the module docstring).
+            # params as a concurrent leg, not P's verbatim (docs/router.md says why).
             d_params = self._decode_params(ex) or p_json.get("kv_transfer_params")
             if not d_params:
                 logger.warning("tid=%s: P returned no kv_transfer_params; D will recompute",
@@ -525,12 +473,18 @@ class Router:
             info[b.role].append(entry)
         return JSONResponse(info, status_code=503 if any(problems) else 200)
 
-    async def models(self) -> Response:
-        """``GET /v1/models`` of the first decode server."""
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode
+        server and return its answer as is: for what every server answers alike (``/v1/models``,
+        ``/tokenize``, ``/detokenize``: one model and tokenizer behind the router). A connection
+        failure or time-out is the usual OpenAI-style 502 / 504."""
         assert self.client is not None
         url = self.decode_pool.backends[0].url
+        headers = {k: v for k, v in request.headers.items()
+                   if k in ("authorization", "content-type")}
         try:
-            r = await self.client.get(url + "/v1/models")
+            r = await self.client.request(request.method, url + path,
+                                          content=await request.body(), headers=headers)
         except httpx.HTTPError as exc:
             return self.failure(None, "decode", url, exc).to_response(None)
         return Response(r.content, status_code=r.status_code,
@@ -561,8 +515,17 @@ def build_app(config: RouterConfig) -> FastAPI:
         return await router.handle(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        return await router.forward(request, "/v1/models")
+
+    # `vllm bench serve` aligns its prompts to the server's tokenizer through these
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.forward(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.forward(request, "/detokenize")
 
     @app.get("/health")
     async def health(probe: bool = False) -> Response:

@@ -1,7 +1,9 @@
-"""Start and stop real ``vllm serve`` processes (CPU build) and our router for end-to-end tests.
+"""Start and stop real ``vllm serve`` processes (CPU build) and our router, for the end-to-end
+tests (tests/test_e2e_vllm.py) and the serving benchmark (benchmarks/bench_serving.py).
 
 Servers run with the Python of a given virtual environment (so one suite can test several vLLM
 versions), each pinned to its own core, with the settings measured in shared/notes/vllm-on-cpu.md.
+``build_tiny_model`` builds the tiny random model they serve (``tiny_model``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import time
 from pathlib import Path
 
 import httpx
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 _HANDED_OUT: set[int] = set()
@@ -137,8 +137,13 @@ def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
 
 
 def build_tiny_model(out: Path) -> Path:
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), str(out)],
-                   check=True, capture_output=True)
+    """The tiny model in ``out`` (built by ``tiny_model`` in a child Python unless already
+    there)."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # run from out's parent: a checkout's root would put its bare kv_push/ folder first on sys.path
+    subprocess.run([sys.executable, "-m", "kv_push.common.testing.tiny_model", str(out)],
+                   check=True, capture_output=True, cwd=out.parent)
     return out
 
 

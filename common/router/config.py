@@ -1,5 +1,4 @@
-"""Configuration of the P/D router (``kv-push-router``): a frozen dataclass, its CLI parser, and
-the backend pool built from it (least-outstanding selection).
+"""Configuration of the P/D router (``kv-push-router``): a frozen dataclass and its CLI parser.
 
 The command line is parsed once into :class:`RouterConfig`; every value is validated there so that
 the router itself never sees a malformed backend. Bad input raises :class:`ValueError` with a
@@ -12,7 +11,7 @@ Prefill backends are given as ``URL,kv=HOST:PORT[,engine_id=ID][,tp=N][,pp=N]``:
   Required in ``push`` and ``upstream-push`` modes; unused (so optional) in ``pull`` mode, where
   P reports its own coordinates in its response.
 * ``engine_id``, ``tp``, ``pp`` -- only for ``upstream-push``: P's NIXL engine id and parallel
-  sizes. Without them the router learns them from P's first response (see ``router.py``).
+  sizes. Without them the router learns them from P's responses (see ``docs/router.md``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 MODES = ("push", "pull", "upstream-push")
@@ -196,47 +194,3 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RouterConfig, str]:
         parser.error(str(exc))  # exits
     return config, ns.log_level
 
-
-class Backend:
-    """One configured upstream server and its count of in-flight legs.
-
-    ``gauge`` is anything with ``set(value)`` (the router passes a labelled Prometheus gauge).
-    """
-
-    def __init__(self, role: str, url: str, gauge: Any, spec: PrefillSpec | None = None) -> None:
-        self.role, self.url, self.spec, self.outstanding = role, url, spec, 0
-        self._gauge = gauge
-        gauge.set(0)
-
-    def add(self, delta: int) -> None:
-        self.outstanding += delta
-        self._gauge.set(self.outstanding)
-
-
-class Lease:
-    """One leg's slot on a backend, taken at selection; :meth:`release` is idempotent."""
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend, self._held = backend, True
-        backend.add(1)
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self.backend.add(-1)
-
-
-class BackendPool:
-    """Least-outstanding selection; ties go round robin (the scan starts one further each time)."""
-
-    def __init__(self, backends: list[Backend]) -> None:
-        if not backends:
-            raise ValueError("a backend pool needs at least one backend")
-        self.backends, self._next = backends, 0
-
-    def acquire(self) -> Lease:
-        """Pick the backend with the fewest outstanding legs and take a slot on it."""
-        n = len(self.backends)
-        start, self._next = self._next, (self._next + 1) % n
-        order = [self.backends[(start + k) % n] for k in range(n)]
-        return Lease(min(order, key=lambda b: b.outstanding))  # min keeps the first of equals
