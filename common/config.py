@@ -2,8 +2,13 @@
 
 Sources, later ones winning: defaults, ``kv_connector_extra_config`` (a dict from vLLM's
 ``--kv-transfer-config``), then environment variables for the few settings operators set per
-host (``KV_PUSH_SECRET``, ``KV_PUSH_SIDE_CHANNEL_HOST``, ``KV_PUSH_SIDE_CHANNEL_PORT``,
-``KV_PUSH_BACKEND``). Unknown keys and bad values raise ``ConfigError`` naming the key.
+host (``KV_PUSH_SIDE_CHANNEL_HOST``, ``KV_PUSH_SIDE_CHANNEL_PORT``, ``KV_PUSH_BACKEND``). Unknown
+keys and bad values raise ``ConfigError`` naming the key.
+
+The shared secret comes from the environment only (``KV_PUSH_SECRET``), or from a file named by
+``secret_file`` / ``KV_PUSH_SECRET_FILE`` (``auth.load_secret``): vLLM prints
+``kv_connector_extra_config`` in its start-up "non-default args" log line, so a ``secret`` key
+there is refused. The key never appears in ``repr`` or in an error message.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .backend import BACKENDS, NIXL_BACKENDS
+from .auth import SECRET_ENV, SECRET_FILE_ENV, SecretError, load_secret
 
 
 class ConfigError(ValueError):
@@ -39,8 +45,14 @@ class PushConfig:
     transfer_timeout_s: float = 60.0
     #: a handshake with a peer must finish within this
     handshake_timeout_s: float = 5.0
-    #: HMAC key for control messages; empty disables authentication
+    #: HMAC key for control messages and router-signed transfer parameters; empty disables
+    #: authentication. Set from the environment only (see the module docstring).
     secret: bytes = field(default=b"", repr=False)
+    #: a file holding the secret (its path is no secret; the contents are read at start-up)
+    secret_file: str = ""
+    #: connections a producer worker's side channel serves at once (handshakes and lifelines
+    #: together: about one per decoder TP rank that talks to this rank); more are refused
+    max_side_channel_connections: int = 1024
     #: producer and decoder share a host (Neuron: needs FI_EFA_ENABLE_SHM_TRANSFER=0)
     colocated: bool = False
     #: a WRITE is posted in chunks of at most this many bytes / regions, one chunk per loop
@@ -74,6 +86,9 @@ class PushConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_side_channel_connections < 1:
+            raise ConfigError("max_side_channel_connections must be at least 1, got "
+                              f"{self.max_side_channel_connections!r}")
         if self.max_post_bytes <= 0 or self.max_post_regions <= 0:
             raise ConfigError("max_post_bytes and max_post_regions must be positive")
         if not 0 <= self.side_channel_port < 65536:
@@ -102,19 +117,29 @@ class PushConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, raw in (extra or {}).items():
+            if key == "secret":
+                raise ConfigError(
+                    "kv_connector_extra_config must not carry 'secret': vLLM prints that dict in "
+                    "its start-up log ('non-default args'), so the key would end up in logs. Set "
+                    f"{SECRET_ENV} in the environment, or 'secret_file' (a path) to a file "
+                    "holding the key, on every producer, decoder and router")
             if key not in fields:
                 raise ConfigError(
                     f"unknown kv_connector_extra_config key {key!r}; known: {sorted(fields)}"
                 )
             values[key] = _coerce(key, fields[key], raw)
         for key, var in (
-            ("secret", "KV_PUSH_SECRET"),
             ("side_channel_host", "KV_PUSH_SIDE_CHANNEL_HOST"),
             ("side_channel_port", "KV_PUSH_SIDE_CHANNEL_PORT"),
             ("backend", "KV_PUSH_BACKEND"),
         ):
             if env.get(var):
                 values[key] = _coerce(var, fields[key], env[var])
+        try:
+            values["secret"] = load_secret(env, values.get("secret_file", ""))
+        except SecretError as e:
+            raise ConfigError(f"secret ({SECRET_ENV} / {SECRET_FILE_ENV} / secret_file): "
+                              f"{e}") from None
         return cls(**values).validate()
 
 

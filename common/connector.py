@@ -59,7 +59,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
                                             is_decoder=self.kv_role in ("decoder", "both"),
-                                            block_size=block_size, counters=Counters())
+                                            block_size=block_size, counters=Counters(),
+                                            secret=self.push_config.secret)
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 

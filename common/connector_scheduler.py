@@ -15,15 +15,21 @@ It runs in vLLM's scheduler (engine-core) process and never touches NIXL. Each s
   it in ``finished_recving``, which they do only once no producer can still write into them.
   A full local prefix hit (nothing to receive) still tells the producer, so it frees its blocks.
 
-The request-level parameters come from the router (see ``TransferParams``).
+The request-level parameters come from the router (see ``TransferParams``). With a secret they
+count only when the router signed them (``auth.verify_transfer_params``): otherwise the request
+is served without KV transfer (a decoder prefills locally, a producer frees its blocks as usual),
+counted as ``rejected{<reason>}`` and logged once per request -- a decoder never dials a host a
+client chose, a producer never holds blocks a client asked it to.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
 from .metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -33,7 +39,13 @@ RELEASE_KEY_PREFIX = "release:"
 
 
 class TransferParamsError(ValueError):
-    pass
+    """``reason``: the metrics label (``bad_transfer_params``, or a signature problem:
+    ``unsigned_transfer_params``, ``bad_transfer_params_signature``,
+    ``expired_transfer_params``)."""
+
+    def __init__(self, message: str, reason: str = "bad_transfer_params"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class TransferParams:
     Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``.
     Decoder leg:  ``{"transfer_id": tid, "do_remote_prefill": true, "remote_host": h,
     "remote_port": p}`` where ``h:p`` is the producer's handshake side channel (rank 0).
+    With a secret, both also carry the router's signature under ``kv_push_sig``.
     """
 
     transfer_id: str
@@ -52,8 +65,10 @@ class TransferParams:
     remote_port: int = 0
 
     @classmethod
-    def parse(cls, raw: Any) -> "TransferParams | None":
-        """None when the request is not ours; TransferParamsError when it is but is malformed."""
+    def parse(cls, raw: Any, secret: bytes = b"", now: float | None = None
+              ) -> "TransferParams | None":
+        """None when the request is not ours; TransferParamsError when it is but is malformed
+        or (with ``secret``) not validly signed by the router at ``now`` (default: the time)."""
         if not isinstance(raw, dict) or "transfer_id" not in raw:
             return None
         tid = raw.get("transfer_id")
@@ -72,7 +87,17 @@ class TransferParams:
                 raise TransferParamsError(f"remote_port must be a port, got {port!r}") from None
             if not 0 < port < 65536:
                 raise TransferParamsError(f"remote_port must be a port, got {port!r}")
-        return cls(tid, decode, prefill, host or "", int(port or 0))
+        params = cls(tid, decode, prefill, host or "", int(port or 0))
+        if secret:
+            try:
+                verify_transfer_params(
+                    raw.get(SIG_KEY), secret, transfer_id=params.transfer_id,
+                    do_remote_decode=decode, do_remote_prefill=prefill,
+                    remote_host=params.remote_host, remote_port=params.remote_port,
+                    now=time.time() if now is None else now)
+            except ParamsSignatureError as e:
+                raise TransferParamsError(str(e), reason=e.reason) from None
+        return params
 
 
 @dataclass(frozen=True)
@@ -124,34 +149,43 @@ class PushScheduler:
     """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
-                 counters: Counters | None = None):
+                 counters: Counters | None = None, secret: bytes = b"",
+                 clock: Callable[[], float] = time.time):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
         self.counters = counters if counters is not None else Counters()
+        self._secret = secret
+        self._clock = clock
+        # request id -> its params as judged at the first look (a signature's expiry is checked
+        # once, when the request arrives, not again after it queued or was preempted)
+        self._verdicts: dict[str, TransferParams | None] = {}
         self._plan = StepPlan()
         self._waiting: dict[str, _Waiting] = {}  # decoder requests we claimed tokens for
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
         self._held: set[str] = set()  # producer requests whose blocks we keep
-        self._rejected: set[str] = set()  # requests whose bad params were counted (until finished)
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
+        rid = request.request_id
+        if rid in self._verdicts:
+            return self._verdicts[rid]
         try:
-            return TransferParams.parse(getattr(request, "kv_transfer_params", None))
+            params = TransferParams.parse(getattr(request, "kv_transfer_params", None),
+                                          self._secret, self._clock())
         except TransferParamsError as e:
-            if request.request_id not in self._rejected:  # parsed at several hooks: count once
-                self._rejected.add(request.request_id)
-                logger.warning("kv_push: request %s has bad kv_transfer_params (%s); "
-                               "serving it without KV transfer", request.request_id, e)
-                self.counters.inc("rejected", label="bad_transfer_params")
-            return None
+            logger.warning("kv_push: request %s: kv_transfer_params refused (%s: %s); serving it "
+                           "without KV transfer", rid, e.reason, e)
+            self.counters.inc("rejected", label=e.reason)
+            params = None
+        self._verdicts[rid] = params
+        return params
 
     # -- decoder ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._params(request)  # the verdict is taken here, at the first look
         if not self.is_decoder:
             return 0, False
-        params = self._params(request)
         if params is None or not params.do_remote_prefill or request.request_id in self._received:
             return 0, False
         prompt = len(request.prompt_token_ids or ())
@@ -200,7 +234,7 @@ class PushScheduler:
         try:
             return self._request_finished(request, block_ids, finished_ok)
         finally:
-            self._rejected.discard(request.request_id)
+            self._verdicts.pop(request.request_id, None)
 
     def _request_finished(self, request, block_ids: list[int], finished_ok: bool
                           ) -> tuple[bool, dict[str, Any] | None]:

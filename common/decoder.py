@@ -248,7 +248,7 @@ class Decoder:
             peer = self.ctx.add_peer(welcome.agent_metadata, engine_id=welcome.engine_id,
                                      tp_rank=rank, geometry=welcome.geometry,
                                      digest=geometry_digest(welcome.geometry),
-                                     address=remote.address)
+                                     address=remote.address, agent_name=welcome.agent_name)
         except MessageRejected as e:
             self.ctx.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
             self._on_handshake_failed(remote, rank, str(e))

@@ -2,8 +2,16 @@
 
 Every control message travels as a NIXL notification (the completion notice rides the WRITE it
 completes); the handshake travels over the side channel. All are msgspec structs in one tagged
-union, framed by ``Envelope`` which carries the protocol version and, when a shared secret is
-configured, an HMAC-SHA256 of the body.
+union, framed by ``Envelope`` which carries the protocol version, a sequence number and, when a
+shared secret is configured, an HMAC-SHA256.
+
+Authentication (with a secret): the MAC covers the version, the ``Route`` (sender and receiver
+agent names; empty for side-channel frames, so a frame of one kind never verifies as the other),
+the sequence number and the body. ``auth.NotificationChannel`` numbers each (sender, receiver)
+pair's notifications and rejects replays; the handshake binds its frames with fresh nonces
+(``Challenge`` -> ``Hello.reply_to`` -> ``Welcome.reply_to``). A receiver without a secret
+refuses MAC'd frames (``secret_mismatch``): a secret set on one side only is a configuration
+error, never silently ignored.
 
 Decoding never raises anything but ``MessageRejected``: bad bytes, a wrong version, a missing or
 wrong MAC and an unknown tag all become a typed rejection with a ``reason`` label that metrics
@@ -13,7 +21,10 @@ Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` chan
   1 -- Hello/Welcome/Refused handshake, Register, WriteDone, Cancel, CancelAck, TransferFailed,
        Heartbeat, Goodbye.
   2 -- Hello and Welcome carry the sender's NIXL version (``nixl_version``); a peer on a NIXL
-       release that cannot be paired with ours is refused at the handshake (``nixl_compat``).
+       release that cannot be paired with ours is refused at the handshake (``nixl_compat``);
+       handshake opens with the producer's ``Challenge``; Hello and Welcome carry nonces
+       (``nonce``, ``reply_to``); ``Envelope`` carries a sequence number; the MAC binds sender,
+       receiver and sequence; a receiver without a secret refuses MAC'd frames.
   3 -- staged transfers: Hello.staging (D's registered staging region), Welcome.staging (P can
        stage), Register.slot (D's slot for this registration), WriteDone.staged/layer_lo/layer_hi
        (a staged chunk and the layers it holds). All optional: a side that does not stage leaves
@@ -25,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from typing import Union
+from typing import NamedTuple, Union
 
 import msgspec
 
@@ -52,9 +63,19 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
     layers_per_chunk: int
 
 
+class Challenge(msgspec.Struct, tag="challenge", frozen=True, kw_only=True):
+    """P worker -> D worker (side channel, first frame): a fresh nonce the Hello must answer."""
+
+    nonce: bytes
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
-    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives, and
-    (``staging``) my staging region, when I can receive staged transfers."""
+    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives.
+
+    ``agent_name`` must be the name NIXL reports for ``agent_metadata`` (checked on load).
+    ``reply_to`` is the producer's ``Challenge.nonce`` on this connection; ``nonce`` is fresh
+    and comes back in ``Welcome.reply_to`` (the side channel fills both).
+    ``staging``: my staging region, when I can receive staged transfers."""
 
     engine_id: str
     agent_name: str
@@ -62,6 +83,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     geometry: KVGeometry
     compat_hash: str
     nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
+    nonce: bytes = b""
+    reply_to: bytes = b""
     staging: StagingRegion | None = None
 
 
@@ -75,6 +98,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     compat_hash: str
     side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
     nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
+    reply_to: bytes = b""  # the Hello's nonce (filled by the side channel)
     staging: bool = False  # P can pack registrations that carry a slot (it has a staging pool)
 
 
@@ -169,7 +193,8 @@ class Goodbye(msgspec.Struct, tag="bye", frozen=True, kw_only=True):
 
 
 Message = Union[
-    Hello, Welcome, Refused, Register, WriteDone, Cancel, CancelAck, TransferFailed, Heartbeat, Goodbye
+    Challenge, Hello, Welcome, Refused, Register, WriteDone, Cancel, CancelAck, TransferFailed,
+    Heartbeat, Goodbye
 ]
 
 
@@ -177,6 +202,18 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     version: int
     body: bytes
     mac: bytes = b""
+    seq: int = 0  # per (sender, receiver) on NIXL notifications; 0 on side-channel frames
+
+
+class Route(NamedTuple):
+    """Who sends a NIXL notification to whom (agent names), bound into its MAC."""
+
+    sender: str
+    receiver: str
+
+
+#: side-channel frames: no agent names yet (a notification's route never has empty names)
+NO_ROUTE = Route("", "")
 
 
 class MessageRejected(ValueError):
@@ -217,7 +254,11 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 
 class Codec:
-    """Encodes and decodes framed messages; with ``secret`` every frame is authenticated."""
+    """Encodes and decodes framed messages; with ``secret`` every frame is authenticated.
+
+    ``route`` and ``seq`` are bound into the MAC: a frame verifies only with the route and
+    sequence number it was encoded with (side-channel frames use ``NO_ROUTE`` and 0). Replay
+    checks on the sequence number are ``auth.NotificationChannel``'s job."""
 
     def __init__(self, secret: bytes | None = None):
         self._secret = secret or None
@@ -226,16 +267,24 @@ class Codec:
     def authenticated(self) -> bool:
         return self._secret is not None
 
-    def _mac(self, body: bytes) -> bytes:
+    def __repr__(self) -> str:  # never the key
+        return f"Codec(authenticated={self.authenticated})"
+
+    def _mac(self, version: int, route: Route, seq: int, body: bytes) -> bytes:
         assert self._secret is not None
-        return hmac.new(self._secret, body, hashlib.sha256).digest()
+        head = _body_encoder.encode((version, route.sender, route.receiver, seq))
+        return hmac.new(self._secret, head + body, hashlib.sha256).digest()
 
-    def encode(self, msg: Message) -> bytes:
+    def encode(self, msg: Message, route: Route = NO_ROUTE, seq: int = 0) -> bytes:
         body = _body_encoder.encode(msg)
-        mac = self._mac(body) if self._secret else b""
-        return _body_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac))
+        mac = self._mac(PROTOCOL_VERSION, route, seq, body) if self._secret else b""
+        return _body_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac, seq))
 
-    def decode(self, data: bytes) -> Message:
+    def decode(self, data: bytes, route: Route = NO_ROUTE) -> Message:
+        return self.decode_seq(data, route)[0]
+
+    def decode_seq(self, data: bytes, route: Route = NO_ROUTE) -> tuple[Message, int]:
+        """The message and its envelope's sequence number (authenticated with a secret)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MessageRejected("malformed", f"not bytes: {type(data).__name__}")
         if len(data) > MAX_MESSAGE_BYTES:
@@ -250,20 +299,33 @@ class Codec:
             )
         if self._secret is not None:
             if not env.mac:
-                raise MessageRejected("unauthenticated", "message carries no MAC")
-            if not hmac.compare_digest(env.mac, self._mac(env.body)):
-                raise MessageRejected("bad_mac", "MAC does not match")
+                raise MessageRejected("unauthenticated", "message carries no MAC (the peer has "
+                                      "no shared secret; set KV_PUSH_SECRET on both sides)")
+            if not hmac.compare_digest(env.mac, self._mac(env.version, route, env.seq, env.body)):
+                raise MessageRejected("bad_mac", "MAC does not match (another secret, or a "
+                                      "frame replayed from another sender or receiver)")
+        elif env.mac:
+            raise MessageRejected("secret_mismatch", "the peer authenticates its messages with "
+                                  "a shared secret and none is configured here; set "
+                                  "KV_PUSH_SECRET on both sides or neither")
         try:
             msg = _body_decoder.decode(env.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise MessageRejected("malformed", str(e)) from None
         _check_sane(msg)
-        return msg
+        return msg, env.seq
+
+
+#: bytes of every handshake nonce
+NONCE_BYTES = 16
 
 
 def _check_sane(msg: Message) -> None:
     """Semantic checks that types alone cannot express."""
-    if isinstance(msg, Register):
+    if isinstance(msg, Challenge):
+        if len(msg.nonce) != NONCE_BYTES:
+            raise MessageRejected("invalid", f"challenge nonce of {len(msg.nonce)} bytes")
+    elif isinstance(msg, Register):
         if msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token:
             raise MessageRejected("invalid", f"registration token range {msg!r}")
         if any(b < 0 for b in msg.block_ids):

@@ -30,7 +30,8 @@ COUNTERS = {
     "cancels": "cancels sent (decoder) or honoured (producer)",
     "expired": "rendezvous entries or transfers dropped after their time-out",
     "stale": "events for a superseded attempt, dropped",
-    "rejected": "messages rejected (malformed, unauthenticated, unknown peer, bad layout)",
+    "rejected": "messages rejected (malformed, unauthenticated, replayed, unknown peer, bad "
+                "layout), side-channel connections over the cap, unsigned kv_transfer_params",
     "peers_dead": "peers declared dead (silent too long)",
     "handshakes": "handshakes completed",
     "handshake_failures": "handshakes that failed or timed out",

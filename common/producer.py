@@ -82,7 +82,7 @@ class _Job:
     peer: str
     started: float
     num_bytes: int
-    pending: list  # chunks not yet posted: (src descs, dst descs, notification)
+    pending: list  # chunks not yet posted: (src descs, dst descs, WriteDone)
     handles: list = field(default_factory=list)
     ack_cancel: bool = False
     error: str = ""
@@ -128,7 +128,7 @@ class Producer:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                          digest=geometry_digest(hello.geometry))
+                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
         self.ctx.counters.inc("handshakes")
         stages = self.staged is not None and self.staged.accept(hello.agent_name, hello.staging)
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
@@ -293,10 +293,10 @@ class Producer:
                              self.ctx.config.max_post_regions)
         pending = []
         for i, (a, b) in enumerate(cuts):
-            notif = self.ctx.codec.encode(WriteDone(
+            notif = WriteDone(
                 transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.ctx.engine_id,
                 tp_rank=self.ctx.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
-                chunks=len(cuts)))
+                chunks=len(cuts))
             pending.append((src_d[a:b], dst_d[a:b], notif))
         self.ctx.counters.inc("regions_written", plan.num_regions)
         self.jobs[jkey] = _Job(pairing, reg.peer, started, plan.total_bytes, pending)
@@ -305,7 +305,8 @@ class Producer:
     def _poll_job(self, jkey: tuple[str, int, int]) -> None:
         job = self.jobs[jkey]
         if job.pending and not job.error and not job.ack_cancel and self._packed(job):
-            src_d, dst_d, notif = job.pending.pop(0)
+            src_d, dst_d, notice = job.pending.pop(0)
+            notif = self.ctx.seal(job.peer, notice)  # numbered when posted (replay window)
             g, peer = self.ctx.geometry, self.ctx.peer(job.peer)
             dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
             job.handles.append(self.ctx.write(job.peer, src_d, dst_d, g.mem_type, dst_mem,

@@ -309,16 +309,17 @@ class StagedSender:
             send.error = f"packing chunk {chunk.index} failed: {e}"
             return False
 
-    def posts(self, send: StagedSend, reg, peer) -> list[tuple[np.ndarray, np.ndarray, bytes]]:
-        """Per chunk, in order: (src descs, dst descs, notice) of its WRITE."""
+    def posts(self, send: StagedSend, reg, peer) -> list[tuple[np.ndarray, np.ndarray, WriteDone]]:
+        """Per chunk, in order: (src descs, dst descs, notice) of its WRITE (the producer seals
+        the notice when it posts the WRITE)."""
         region = self.regions[peer.agent_name]
         out = []
         for c in send.chunks:
             off, n = send.room(c)
-            notice = self.ctx.codec.encode(WriteDone(
+            notice = WriteDone(
                 transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.ctx.engine_id,
                 tp_rank=self.ctx.tp_rank, num_bytes=n, chunk=c.index, chunks=len(send.chunks),
-                staged=True, layer_lo=c.layer_lo, layer_hi=c.layer_hi))
+                staged=True, layer_lo=c.layer_lo, layer_hi=c.layer_hi)
             out.append((_desc(self.memory.address + off, n, self.memory.dev_id),
                         _desc(region.base + reg.slot.offset + c.offset, n,
                               peer.geometry.dev_id), notice))

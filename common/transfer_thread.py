@@ -4,7 +4,8 @@ Everything that touches the agent runs here; everything else only hands work in.
 
 1. run the callables waiting in the inbox (``submit`` / ``call`` put them there and set the
    wake event);
-2. drain NIXL notifications, decode each (a rejection is counted and logged once, never
+2. drain NIXL notifications, open each through ``channel`` (``auth.NotificationChannel``: frame,
+   MAC bound to sender and receiver, replay window; a rejection is counted and logged once, never
    raised), note the sender as alive, and route the message to the roles that handle its type;
 3. let each role ``tick`` (poll in-flight WRITEs, time-outs) and keep liveness: heartbeats go to
    every peer four times per ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s``
@@ -39,6 +40,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from .auth import NotificationChannel
 from .config import PushConfig
 from .geometry import KVGeometry
 from .messages import Codec, Goodbye, Heartbeat, Message, MessageRejected
@@ -118,11 +120,18 @@ class RoleContext(Protocol):
     def send(self, peer: str, msg: Message) -> bool:
         """Encode ``msg`` and send it to agent ``peer``. Returns False if it could not be posted."""
 
+    def seal(self, peer: str, msg: Message) -> bytes:
+        """``msg`` framed for ``peer`` (numbered and, with a secret, MAC'd for that receiver):
+        the notification that rides a WRITE. Call it when the WRITE is posted, not earlier, so
+        sequence numbers follow posting order (the receiver's replay window)."""
+
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
-                 digest: str, address: tuple[str, int] | None = None) -> Peer:
+                 digest: str, address: tuple[str, int] | None = None,
+                 agent_name: str | None = None) -> Peer:
         """Load a peer's transport metadata (once) and track it. Raises ``MessageRejected``
-        ("layout_changed") if the agent is known with another geometry, ``TransportError`` if the
-        metadata cannot be loaded."""
+        ("layout_changed") if the agent is known with another geometry, ("name_mismatch") if
+        ``agent_name`` (the name the peer gave in its handshake) is not the name the metadata
+        carries, ``TransportError`` if the metadata cannot be loaded."""
 
     def peer(self, agent_name: str) -> Peer | None:
         """The live peer of that agent name, or None (never known, or dropped)."""
@@ -171,6 +180,8 @@ class TransferThread:
         self.geometry = geometry
         self.config = config
         self.codec = Codec(config.secret or None)
+        # numbers, MACs and replay-checks every notification (auth.py)
+        self.channel = NotificationChannel(self.codec, transport.agent_name)
         self.counters = counters or Counters()
         self.clock = clock
         self.peers: dict[str, Peer] = {}
@@ -241,7 +252,11 @@ class TransferThread:
         return self.transport.nixl_version
 
     def send(self, peer: str, msg: Message) -> bool:
-        return self.transport.send_notif(peer, self.codec.encode(msg))
+        return self.transport.send_notif(peer, self.channel.seal(peer, msg))
+
+    def seal(self, peer: str, msg: Message) -> bytes:
+        """``msg`` framed for ``peer`` (a notification that rides a WRITE)."""
+        return self.channel.seal(peer, msg)
 
     def peer(self, agent_name: str) -> Peer | None:
         return self.peers.get(agent_name)
@@ -260,9 +275,18 @@ class TransferThread:
         return self.transport.failure_reason(handle)
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
-                 digest: str, address: tuple[str, int] | None = None) -> Peer:
-        """Load a peer's agent metadata (once) and start tracking its liveness."""
+                 digest: str, address: tuple[str, int] | None = None,
+                 agent_name: str | None = None) -> Peer:
+        """Load a peer's agent metadata (once) and start tracking its liveness.
+
+        ``agent_name``: the name the peer gave in its handshake; it must be the name NIXL reports
+        for the metadata (its lifeline is known by that name: a peer must not name another)."""
         name = self.transport.add_peer(metadata)
+        if agent_name is not None and name != agent_name:
+            if name not in self.peers:
+                self.transport.remove_peer(name)
+            raise MessageRejected("name_mismatch", f"handshake names agent {agent_name!r} but "
+                                  f"its NIXL metadata is agent {name!r}")
         old = self.peers.get(name)
         if old is not None and old.geometry_digest != digest:
             raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
@@ -336,7 +360,7 @@ class TransferThread:
 
     def _dispatch(self, sender: str, data: bytes) -> None:
         try:
-            msg = self.codec.decode(data)
+            msg = self.channel.open(sender, data)
         except MessageRejected as e:
             self.counters.reject(e.reason, e.detail, context=f"from {sender}")
             return

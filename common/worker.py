@@ -97,6 +97,7 @@ class PushWorker:
                 timeout=self.config.handshake_timeout_s,
                 on_closed=lambda hello: self.thread.peer_lost(
                     hello.agent_name, "decoder closed its side channel"),
+                max_connections=self.config.max_side_channel_connections,
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)

@@ -222,3 +222,135 @@ def test_plugin_registers_the_connector_by_name_once():
     from kv_push.common.connector import KVPushConnector
 
     assert cls is KVPushConnector
+
+
+# -- router-signed kv_transfer_params (with a secret) --------------------------------------------
+
+SECRET = b"cluster-secret"
+
+
+def signed(params, secret=SECRET, ttl=600.0, now=1000.0):
+    from kv_push.common.auth import TransferParamsSigner
+
+    return TransferParamsSigner(secret, ttl, clock=lambda: now).sign(params)
+
+
+def test_signed_params_parse_and_every_change_breaks_the_signature():
+    for raw in (signed(D_PARAMS), signed(P_PARAMS)):
+        assert TransferParams.parse(raw, SECRET, now=1001.0) is not None
+        # without a secret the signature is not looked at
+        assert TransferParams.parse(raw) == TransferParams.parse(raw, SECRET, now=1001.0)
+    d = signed(D_PARAMS)
+    tampered = [
+        dict(d, remote_host="attacker.example"),  # the SSRF this guards against
+        dict(d, remote_port=6666),
+        dict(d, transfer_id="t2"),
+        dict(d, kv_push_sig=dict(d["kv_push_sig"], expires=d["kv_push_sig"]["expires"] + 9999)),
+        signed(D_PARAMS, secret=b"another-secret"),
+        # a producer leg's signature pasted onto decoder parameters
+        dict(D_PARAMS, kv_push_sig=signed({**P_PARAMS})["kv_push_sig"]),
+    ]
+    for raw in tampered:
+        with pytest.raises(TransferParamsError) as e:
+            TransferParams.parse(raw, SECRET, now=1001.0)
+        assert e.value.reason == "bad_transfer_params_signature", raw
+    for raw, reason in ((dict(D_PARAMS), "unsigned_transfer_params"),
+                        (dict(P_PARAMS), "unsigned_transfer_params"),
+                        (dict(d, kv_push_sig="junk"), "bad_transfer_params_signature"),
+                        (dict(d, kv_push_sig={"expires": True, "mac": "00"}),
+                         "bad_transfer_params_signature"),
+                        (dict(d, kv_push_sig={"expires": "1", "mac": "00"}),
+                         "bad_transfer_params_signature")):
+        with pytest.raises(TransferParamsError) as e:
+            TransferParams.parse(raw, SECRET, now=1001.0)
+        assert e.value.reason == reason, raw
+    # the same signature after its expiry (600 s after signing at t=1000)
+    assert TransferParams.parse(d, SECRET, now=1600.0) is not None
+    with pytest.raises(TransferParamsError) as e:
+        TransferParams.parse(d, SECRET, now=1601.0)
+    assert e.value.reason == "expired_transfer_params"
+
+
+@pytest.mark.parametrize("case", ["unsigned", "forged_host", "expired"])
+def test_decoder_with_secret_serves_unsigned_params_locally_and_never_dials(case, caplog):
+    """A client that reaches D directly names its own host: D must not act on it."""
+    from kv_push.common.metrics import Counters
+
+    counters = Counters()
+    s = PushScheduler(is_producer=False, is_decoder=True, block_size=BS, counters=counters,
+                      secret=SECRET, clock=lambda: 1001.0)
+    raw = {"unsigned": dict(D_PARAMS, remote_host="attacker.example"),
+           "forged_host": dict(signed(D_PARAMS), remote_host="attacker.example"),
+           "expired": signed(D_PARAMS, now=0.0)}[case]
+    reason = {"unsigned": "unsigned_transfer_params",
+              "forged_host": "bad_transfer_params_signature",
+              "expired": "expired_transfer_params"}[case]
+    r = req("r1", raw)
+    with caplog.at_level("WARNING", logger="kv_push.common.connector_scheduler"):
+        for _ in range(3):  # vLLM asks again each step while the request waits
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # local prefill
+        s.update_state_after_alloc(r, [], 0)
+        assert s.request_finished(r, [], finished_ok=False) == (False, None)
+    assert not s.take_plan()  # no Expect: nothing is sent anywhere, no host is dialled
+    assert counters.get("rejected", label=reason) == 1
+    assert len([rec for rec in caplog.records if "r1" in rec.getMessage()]) == 1  # once
+    # a signed request on the same scheduler is served with KV transfer
+    good = req("r2", signed(D_PARAMS))
+    assert s.get_num_new_matched_tokens(good, 0) == (100, True)
+    s.update_state_after_alloc(good, list(range(7)), 100)
+    (e,) = s.take_plan().expects
+    assert (e.host, e.port) == ("10.0.0.1", 5600)
+
+
+def test_producer_with_secret_holds_blocks_only_for_signed_params():
+    from kv_push.common.metrics import Counters
+
+    counters = Counters()
+    s = PushScheduler(is_producer=True, is_decoder=False, block_size=BS, counters=counters,
+                      secret=SECRET, clock=lambda: 1001.0)
+    r = req("p1", dict(P_PARAMS), computed=100)
+    s.get_num_new_matched_tokens(r, 0)
+    assert s.request_finished(r, [1, 2, 3], finished_ok=True) == (False, None)
+    assert not s.take_plan() and not s.has_pending_work()
+    assert counters.get("rejected", label="unsigned_transfer_params") == 1
+    ok = req("p2", signed(P_PARAMS), computed=100)
+    s.get_num_new_matched_tokens(ok, 0)
+    assert s.request_finished(ok, [1, 2, 3], finished_ok=True)[0] is True
+    assert [p.req_id for p in s.take_plan().prefills] == ["p2"]
+
+
+def test_signature_verdict_is_taken_at_the_first_look():
+    """A request that queued (or ran its prefill) past the signature's expiry is still served:
+    the expiry bounds when a request may arrive, not how long it may take."""
+    now = [1001.0]
+    s = PushScheduler(is_producer=True, is_decoder=True, block_size=BS, secret=SECRET,
+                      clock=lambda: now[0])
+    p = req("p1", signed(P_PARAMS), computed=100)
+    d = req("d1", signed(D_PARAMS))
+    s.get_num_new_matched_tokens(p, 0)
+    assert s.get_num_new_matched_tokens(d, 0) == (100, True)
+    now[0] = 99999.0
+    assert s.get_num_new_matched_tokens(d, 0) == (100, True)
+    assert s.request_finished(p, [4, 5], finished_ok=True)[0] is True
+    # finished requests are forgotten: a new request with the same id is judged afresh
+    assert s.get_num_new_matched_tokens(req("p1", signed(P_PARAMS)), 0) == (0, False)
+    assert s.request_finished(req("p1", signed(P_PARAMS), computed=100), [4],
+                              finished_ok=True) == (False, None)
+
+
+def test_scheduler_half_reports_its_rejections_as_connector_stats(monkeypatch):
+    from kv_push.common.connector import KVPushConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    monkeypatch.setenv("KV_PUSH_SECRET", SECRET.decode())
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    ktc = SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_consumer", engine_id="e",
+                          is_kv_producer=False)
+    c = KVPushConnector(SimpleNamespace(kv_transfer_config=ktc,
+                                        cache_config=SimpleNamespace(block_size=16)),
+                        KVConnectorRole.SCHEDULER, None)
+    assert c.get_kv_connector_stats() is None  # nothing counted yet
+    assert c.get_num_new_matched_tokens(req("r", dict(D_PARAMS)), 0) == (0, False)
+    stats = c.get_kv_connector_stats()
+    assert stats.data == {"rejected": 1.0, "rejected{unsigned_transfer_params}": 1.0}
+    assert c.get_kv_connector_stats() is None  # reset after each report

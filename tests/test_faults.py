@@ -59,15 +59,16 @@ def uid(prefix: str) -> str:
     return f"{prefix}-{next(_ids)}"
 
 
-def _p(**config):
-    return PeerSpec(role="producer", config={"side_channel_port": 0, **COMMON, **config})
+def _p(secret: str = "", **config):
+    return PeerSpec(role="producer", config={"side_channel_port": 0, **COMMON, **config},
+                    secret=secret)
 
 
-def _d(**config):
+def _d(secret: str = "", **config):
     # blocks_first HND 8-token blocks against the producers' kv_split NHD 16: WRITEs of many
     # small regions, so they stay in flight a little while
     return PeerSpec(role="decoder", placement="blocks_first", token_order="HND", block_size=8,
-                    num_blocks=512, config={**COMMON, **config})
+                    num_blocks=512, config={**COMMON, **config}, secret=secret)
 
 
 class FaultPeers:
@@ -563,7 +564,8 @@ def test_secret_required(fp, figures):
         return out[1], time.monotonic() - t0
 
     reason, t_none = fails(D)  # no secret
-    assert "refused" in reason, reason
+    assert "refused" in reason and "uses a shared secret but this decoder has none" in reason, \
+        reason
     assert wait_counter(Ps, "rejected{unauthenticated}",
                         c0.get("rejected{unauthenticated}", 0) + 1) >= 1
     reason_wrong, t_wrong = fails(R)  # another secret
@@ -571,6 +573,34 @@ def test_secret_required(fp, figures):
     assert wait_counter(Ps, "rejected{bad_mac}", c0.get("rejected{bad_mac}", 0) + 1) >= 1
     assert Ps.call("counters").get("handshakes", 0) == c0.get("handshakes", 0)
     latency = push_ok(Ps, Ds)  # the same secret: works
-    figures("faults", "handshake without the secret -> refused", t_none, reason[:60])
-    figures("faults", "handshake with a wrong secret -> refused", t_wrong, reason_wrong[:60])
+    figures("faults", "handshake without the secret -> refused", t_none, reason[-70:])
+    figures("faults", "handshake with a wrong secret -> refused", t_wrong, reason_wrong[-70:])
     figures("faults", "with the same secret: request received and verified", latency)
+
+
+def test_secret_only_on_the_decoder_is_refused(fp):
+    """Today a producer without a secret ignores a decoder's MAC: both sides now refuse."""
+    P, Ds = fp.P, fp.Ds
+    c0 = P.call("counters")
+    key = uid("d")
+    Ds.call("expect", key, uid("t"), 0, P.call("address"), [120, 121], 0, 10)
+    out = Ds.call("wait_outcome", key, 5)
+    assert out is not None and out[0] == "failed", out
+    assert "has no shared secret but this decoder has one" in out[1], out
+    assert wait_counter(P, "rejected{secret_mismatch}",
+                        c0.get("rejected{secret_mismatch}", 0) + 1) >= 1
+    assert P.call("counters").get("handshakes", 0) == c0.get("handshakes", 0)
+
+
+def test_replayed_notifications_are_rejected_over_nixl(fp, figures):
+    """The same sealed frame delivered three times through real NIXL: handled once, the two
+    replays rejected and counted; the pair keeps working."""
+    Ps, Ds = fp.Ps, fp.Ds
+    push_ok(Ps, Ds)  # Ds and Ps know each other
+    p_engine = Ps.call("engine_id")
+    c0 = Ps.call("counters")
+    assert Ds.call("inject", "Heartbeat", {"seq": 1}, to_engine=p_engine, times=3) == 3
+    assert wait_counter(Ps, "rejected{replay}", c0.get("rejected{replay}", 0) + 2) == \
+        c0.get("rejected{replay}", 0) + 2
+    latency = push_ok(Ps, Ds)
+    figures("faults", "replayed notification (x2) -> rejected{replay}, pair still works", latency)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kv_push.common import geometry as G
+from kv_push.common.auth import NotificationChannel
 from kv_push.common.config import PushConfig
 from kv_push.common.messages import (
     Cancel,
@@ -206,6 +207,7 @@ class Harness:
         for role in self.roles:
             self.t.add_role(role)
         self.codec = Codec(secret or None)
+        self.chan_b = NotificationChannel(self.codec, "B")  # B's side: seals for A, opens from A
         self.meta_a = b"meta:A"  # what A's metadata() says; not asked from this thread
         self.t.start()
 
@@ -219,11 +221,14 @@ class Harness:
         return self.t.call(lambda: self.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
                                                    digest=DIGEST), TIMEOUT)
 
-    def b_send(self, msg) -> None:
-        assert self.b.send_notif("A", self.codec.encode(msg))
+    def b_send(self, msg) -> bytes:
+        """Send ``msg`` from B to A as B's transfer thread would; returns the frame."""
+        frame = self.chan_b.seal("A", msg)
+        assert self.b.send_notif("A", frame)
+        return frame
 
     def b_received(self) -> list:
-        return [(s, Codec().decode(d)) for s, d in self.b.get_notifs()]
+        return [(s, self.chan_b.open(s, d)) for s, d in self.b.get_notifs()]
 
     def rejected(self, label: str) -> float:
         return self.counters.get("rejected", label=label)
@@ -552,7 +557,7 @@ def test_on_peer_dead_raising_still_removes_the_peer(h):
 @pytest.mark.parametrize("secret_a,secret_b,outcome", [
     (b"", b"", "handled"),
     (b"s", b"s", "handled"),
-    (b"s", b"", "handled"),  # a receiver without a secret accepts MAC'd messages
+    (b"s", b"", "secret_mismatch"),  # a secret on one side only is refused, both ways
     (b"", b"s", "unauthenticated"),
     (b"s", b"t", "bad_mac"),
 ])

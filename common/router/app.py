@@ -10,6 +10,8 @@ response is the client's. A P failure before D's first byte cancels D and become
 error (OpenAI-style body; 502 connect, 504 timeout, else the upstream status); a D failure cancels
 P; a P failure after D's first byte is only counted. A client that goes away cancels both legs.
 
+With ``KV_PUSH_SECRET`` (or ``KV_PUSH_SECRET_FILE``) in the router's environment, the push
+mode signs both legs' ``kv_transfer_params`` (``kv_push_sig``, :mod:`kv_push.common.auth`).
 What each mode sends and why (with the vLLM source it was read from): ``docs/router.md``.
 """
 
@@ -32,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
+from kv_push.common.auth import TransferParamsSigner
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.pool import Backend, BackendPool
 
@@ -233,6 +236,12 @@ class Router:
             for s in config.prefill if s.engine_id}
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task] = set()
+        # push mode: signs both legs' kv_transfer_params with KV_PUSH_SECRET (or the file named
+        # by KV_PUSH_SECRET_FILE); P and D with the secret act on signed params only
+        self.signer = TransferParamsSigner.from_env()
+        if config.mode == "push" and not self.signer.enabled:
+            logger.warning("no KV_PUSH_SECRET: kv_transfer_params go out unsigned (P and D with "
+                           "a secret will serve such requests without KV transfer)")
 
     async def start(self) -> None:
         c = self.config
@@ -354,8 +363,9 @@ class Router:
             body["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):  # min_tokens > 1 would make vLLM reject it
             body.pop(key, None)
-        body["kv_transfer_params"] = ({"transfer_id": ex.tid, "do_remote_decode": True}
-                                      if self.config.mode == "push" else dict(PULL_PREFILL_PARAMS))
+        body["kv_transfer_params"] = (
+            self.signer.sign({"transfer_id": ex.tid, "do_remote_decode": True})
+            if self.config.mode == "push" else dict(PULL_PREFILL_PARAMS))
         return body
 
     def _decode_params(self, ex: Exchange) -> dict | None:
@@ -363,8 +373,8 @@ class Router:
         spec = ex.p.backend.spec
         assert spec is not None
         if self.config.mode == "push":
-            return {"transfer_id": ex.tid, "do_remote_prefill": True,
-                    "remote_host": spec.kv_host, "remote_port": spec.kv_port}
+            return self.signer.sign({"transfer_id": ex.tid, "do_remote_prefill": True,
+                                     "remote_host": spec.kv_host, "remote_port": spec.kv_port})
         if self.config.mode == "upstream-push" and (peer := self.peers.get(spec.url)):
             # remote_request_id: present (metadata.py indexes it) but None (P's id is unknown).
             return {"do_remote_prefill": True, "do_remote_decode": False,
