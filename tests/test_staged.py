@@ -724,3 +724,59 @@ def test_messages_in_the_fenced_state_still_resolve_the_writer():
     assert len(acks) == 1
     assert not [m for _, d in w.p_nodes[0].transport.sent
                 if isinstance(m := w.p_nodes[0].thread.codec.decode(d), TransferFailed)]
+
+
+# -- per-request identity (reg_id, attempt) ------------------------------------------------------
+
+
+def test_a_superseded_attempt_keeps_its_slot_until_its_staged_chunks_are_accounted_for():
+    """The engine re-allocates (attempt 1) while attempt 0's staged chunks are in flight: the
+    old slot stays reserved, next to the new attempt's own, until the producer's answer says how
+    many staged chunks completed (``chunks_done`` counts them) and those notices arrived --
+    counted, not unpacked. Only attempt 1 is unpacked and reported."""
+    w = World()
+    t = w.p_nodes[0].transport
+    t.hold_writes = True
+    w.expect(attempt=0)
+    w.prefill()
+    w.settle()
+    old = t.in_flight()
+    assert len(old) == 2 and all(n.staged and n.attempt == 0 for n in w.notices())
+    (reg0,) = w.registers()
+    w.expect(attempt=1, blocks=(6, 7))
+    w.settle()
+    regs = w.registers()
+    assert [r.attempt for r in regs] == [0, 1] and regs[1].slot.offset != reg0.slot.offset
+    assert w.d_pool().used_bytes == 2 * reg0.slot.length  # both slots held
+    assert w.outcomes() == []
+    for h in old:
+        t.finish(h)
+    w.settle()
+    acks = [m for m in (w.p_nodes[0].thread.codec.decode(d) for _, d in t.sent)
+            if isinstance(m, CancelAck)]
+    assert [(a.reg_id, a.attempt, a.chunks_done) for a in acks] == [("d-1", 0, 2)]
+    for h in t.in_flight():
+        t.finish(h)
+    w.settle()
+    assert w.outcomes() == [Outcome("d-1", "received", "", 1)]
+    unpacks = w.d_ops[0].of("unpack")
+    assert len(unpacks) == 2 and all(
+        regs[1].slot.offset <= u.offset < regs[1].slot.offset + regs[1].slot.length
+        for u in unpacks)
+    assert w.d_pool().used_bytes == 0 and w.p_pool().used_bytes == 0 and w.idle()
+
+
+def test_staged_notices_name_the_decoder_request():
+    """Two engine requests of one transfer (n > 1) each get their own slot and their own staged
+    chunks, told apart by ``reg_id``."""
+    w = World()
+    w.expect(key="d-1", blocks=(2, 3))
+    w.expect(key="d-2", blocks=(4, 5))
+    w.settle()
+    for p, node in zip(w.producers, w.p_nodes):
+        node.thread.submit(lambda p=p: p.prefill_done("p-1", "t1", (0, 1), 8, capacity=2))
+    w.settle()
+    assert set(w.outcomes()) == {Outcome("d-1", "received"), Outcome("d-2", "received")}
+    assert sorted({n.reg_id for n in w.notices()}) == ["d-1", "d-2"]
+    assert all(n.staged for n in w.notices()) and len(w.d_ops[0].of("unpack")) == 4
+    assert w.released == ["p-1"] and w.idle()
