@@ -39,6 +39,10 @@ COUNTERS = {
     "handshakes": "handshakes completed",
     "handshake_failures": "handshakes that failed or timed out",
     "head_sliced_plans": "plans that had to cut head slices out of token-major blocks",
+    "staged_transfers": "staged transfers: sub-slices packed and written (producer) / unpacked (decoder)",
+    "staged_chunks": "staged chunks written (producer) / unpacked (decoder)",
+    "staged_bytes": "bytes moved through staging (producer: written; decoder: unpacked)",
+    "staged_fallback": "registrations that took the region path although staging was on, by reason",
 }
 
 

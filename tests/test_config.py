@@ -38,6 +38,10 @@ SETTABLE = {
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
     "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
     "max_post_regions": [("16", 16), (1, 1)],
+    "staged": [("auto", "auto"), ("off", "off")],
+    "decoder_staging_bytes": [("-1", -1), (0, 0), ("1073741824", 1 << 30)],
+    "producer_staging_bytes": [(-1, -1), ("0", 0), (4096, 4096)],
+    "staging_chunk_bytes": [("536870912", 512 << 20), (1, 1)],
 }
 
 
@@ -178,6 +182,13 @@ def test_unknown_key_is_named(key):
     ("secret", "in-the-dict"),
     ("max_side_channel_connections", 0),
     ("max_side_channel_connections", "many"),
+    ("staged", "on"),
+    ("staged", "AUTO"),
+    ("decoder_staging_bytes", -2),
+    ("decoder_staging_bytes", "2G"),
+    ("producer_staging_bytes", 1.5),
+    ("staging_chunk_bytes", 0),
+    ("staging_chunk_bytes", -4096),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:
