@@ -37,6 +37,16 @@ class HandshakeError(ConnectionError):
     pass
 
 
+class HandshakeRefused(HandshakeError):
+    """The producer answered ``Refused``: the two sides cannot work together as configured
+    (``reason`` is the producer's, e.g. "bad_layout: ... opaque block layouts need equal
+    block_size ..."). Retrying will not help until one side is reconfigured."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -104,7 +114,8 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
     if isinstance(reply, Refused) or not isinstance(reply, Welcome):
         sock.close()
         if isinstance(reply, Refused):
-            raise HandshakeError(f"{host}:{port} refused the handshake: {reply.reason}")
+            raise HandshakeRefused(f"{host}:{port} refused the handshake: {reply.reason}",
+                                   reply.reason)
         raise HandshakeError(f"{host}:{port} answered {type(reply).__name__}, not Welcome")
     if on_closed is None:
         sock.close()

@@ -36,6 +36,9 @@ class Behavior:
     n_chunks: int = 3  # streamed content chunks (followed by data: [DONE])
     chunk_interval: float = 0.0  # seconds between streamed chunks
     transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
+    stream_error: bool = False  # a stream fails before any output, as vLLM's does (HTTP 200,
+    # then an error event and [DONE])
+    metrics_text: str = ""  # what GET /metrics answers
 
 
 @dataclass
@@ -76,6 +79,8 @@ class FakeVLLM:
         self.app.post("/v1/chat/completions")(self._chat)
         self.app.get("/v1/models")(self._models)
         self.app.get("/health")(lambda: Response(status_code=200))
+        self.app.get("/metrics")(lambda: Response(self.behavior.metrics_text,
+                                                  media_type="text/plain"))
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -153,6 +158,14 @@ class FakeVLLM:
         try:
             if b.delay:
                 await asyncio.wait({watcher}, timeout=b.delay)
+            if b.stream_error:
+                err = {"error": {"message": "Internal server error",
+                                 "type": "InternalServerError", "param": None, "code": 500}}
+                for data in (f"data: {json.dumps(err)}\n\n".encode(), b"data: [DONE]\n\n"):
+                    rec.sent += data
+                    yield data
+                rec.completed = True
+                return
             for i in range(b.n_chunks):
                 if rec.disconnected:
                     return

@@ -9,6 +9,8 @@ through a handshake function that stands in for the side channel. Producer ranks
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kv_push.common import geometry as G
@@ -26,7 +28,7 @@ from kv_push.common.messages import (
     geometry_digest,
 )
 from kv_push.common.producer import Producer
-from kv_push.common.side_channel import HandshakeError
+from kv_push.common.side_channel import HandshakeError, HandshakeRefused
 
 from fakes import FakeClock, InlineExecutor, ManualExecutor, Node, RawEnd, Wire, role_config, settle
 
@@ -404,7 +406,7 @@ def test_a_request_whose_handshake_never_ends_times_out_at_once():
 class Pair:
     """A real producer worker "P" and a real decoder worker "D" (TP 1 each) in-process, the
     side channel replaced by a direct call of ``accept_hello`` (a refusal becomes the
-    ``HandshakeError`` the side channel raises)."""
+    ``HandshakeRefused`` the side channel raises)."""
 
     def __init__(self, *, manual: bool = False, d_geometry: G.KVGeometry | None = None,
                  **config):
@@ -424,7 +426,7 @@ class Pair:
         try:
             return self.producer.accept_hello(hello)
         except MessageRejected as e:
-            raise HandshakeError(f"{host}:{port} refused the handshake: {e}") from None
+            raise HandshakeRefused(f"{host}:{port} refused the handshake: {e}", str(e)) from None
 
     def settle(self) -> None:
         settle(self.p, self.d, wire=self.wire)
@@ -500,3 +502,32 @@ def test_with_a_real_producer_a_refused_handshake_fails_the_request():
     assert outcome.kind == "failed" and "refused the handshake" in outcome.reason
     assert "head_size differs" in outcome.reason
     assert pair.p.count("handshakes") == 0 and pair.p.thread.peer("D") is None
+
+
+def test_a_refused_pair_is_counted_per_producer_and_logged_once(caplog):
+    """Every request for an incompatible producer fails (each tries the handshake again, the
+    producer may have been reconfigured), but the operator reads the reason once, and the
+    refusals are counted under the producer's address (what the router reads)."""
+    pair = Pair(d_geometry=d_geom(head_size=16))
+    with caplog.at_level(logging.WARNING, logger="kv_push"):
+        for i in range(3):
+            pair.expect(key=f"d-{i}", tid=f"t{i}")
+            pair.settle()
+    assert [o.kind for o in pair.outcomes()] == ["failed"] * 3
+    reason = "bad_layout: decoder D: head_size differs: 8 on the producer, 16 on the decoder"
+    assert pair.d.count("handshake_refusals", label=f"{HOST}:{PORT} {reason}") == 3
+    assert pair.d.count("handshake_failures") == 3
+    incompatible = [r for r in caplog.records if "incompatible" in r.getMessage()]
+    assert len(incompatible) == 1 and reason in incompatible[0].getMessage()
+    failed = [r for r in caplog.records if "failed" in r.getMessage()
+              and r.name == "kv_push.common.decoder"]
+    assert len(failed) == 1, [r.getMessage() for r in failed]  # one per reason, not per request
+
+
+def test_a_handshake_that_fails_for_other_reasons_is_not_a_refusal():
+    b = Bench()
+    b.refuse[PORT] = "side channel 10.0.0.7:7000: [Errno 111] Connection refused"
+    b.expect()
+    (outcome,) = b.outcomes()
+    assert outcome.kind == "failed"
+    assert b.d.count("handshake_failures") == 1 and b.d.count("handshake_refusals") == 0

@@ -372,6 +372,94 @@ async def test_metrics_health_and_models():
         assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "d0"
 
 
+# -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------
+
+
+def _refusal_metrics(address: str, reason: str, count: float = 1.0) -> str:
+    label = reason.replace("\\", "\\\\").replace('"', '\\"')
+    return ("# TYPE vllm:kv_push_handshake_refusals_total counter\n"
+            f'vllm:kv_push_handshake_refusals_total{{engine="0",model_name="tiny",'
+            f'reason="{address} {label}"}} {count}\n'
+            'vllm:kv_push_handshake_refusals_total{engine="0",reason="10.9.9.9:1 other"} 3.0\n')
+
+
+REFUSAL = ('bad_layout: decoder abc: opaque block layouts need equal block_size: 64 on the '
+           'producer, 128 on the decoder "quoted"')
+
+
+def test_parse_refusals_reads_labels_and_skips_noise():
+    from kv_push.common.router.compat import parse_refusals
+    text = _refusal_metrics("127.0.0.1:5600", REFUSAL, 2.0) + (
+        "vllm:kv_push_handshake_refusals_created{reason=\"127.0.0.1:5600 x\"} 1.7e9\n"
+        "vllm:kv_push_handshake_refusals_total{reason=\"127.0.0.1:5600 y\"} nan-ish\n"
+        "vllm:kv_push_handshake_refusals_total{reason=\"nospace\"} 1.0\n")
+    assert parse_refusals(text) == {"127.0.0.1:5600": (REFUSAL, 2.0), "10.9.9.9:1": ("other", 3.0)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        if stream:
+            d.behavior.stream_error = True
+        else:
+            d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream))
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "incompatible_peers", err
+        assert REFUSAL in err["message"] and "incompatible" in err["message"]
+        assert f"127.0.0.1:{KV_BASE_PORT}" in err["message"]
+        h = await c.client.get("/health")
+        assert h.status_code == 503  # the only pair cannot serve anything
+        (inc,) = h.json()["incompatible"]
+        assert inc["reason"] == REFUSAL and inc["kv"] == f"127.0.0.1:{KV_BASE_PORT}"
+        assert inc["decode"] == c.router.decode_pool.backends[0].url
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "incompatible"), ("leg", "decode")))] == 1
+        # D is reconfigured and works: the old refusals are history
+        d.behavior.fail_status, d.behavior.stream_error = None, False
+        assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        h = await c.client.get("/health", params={"probe": "true"})
+        assert h.status_code == 200 and h.json()["incompatible"] == [], h.json()
+        # a later failure with no new refusal is not blamed on the old one
+        d.behavior.fail_status = 500
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "decode_error"
+        # a new refusal is
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL, 2.0)
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "incompatible_peers"
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_refusal_of_another_producer_is_not_blamed():
+    async with cluster(n_p=2) as c:
+        d = c.decodes[0]
+        d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT + 1}", REFUSAL)
+        types = set()
+        for _ in range(2):  # round robin: one request through each P
+            r = await c.client.post("/v1/completions", json=COMPLETION)
+            types.add(r.json()["error"]["type"])
+        assert types == {"decode_error", "incompatible_peers"}
+        h = await c.client.get("/health", params={"probe": "true"})
+        (inc,) = h.json()["incompatible"]
+        assert inc["kv"] == f"127.0.0.1:{KV_BASE_PORT + 1}"
+        assert h.status_code == 200 and h.json()["status"] == "degraded"  # one pair still works
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_probe_finds_an_incompatible_pair_before_any_request():
+    async with cluster() as c:
+        c.decodes[0].behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        assert (await c.client.get("/health")).json()["incompatible"] == []  # not read yet
+        h = await c.client.get("/health", params={"probe": "true"})
+        assert h.status_code == 503 and h.json()["incompatible"][0]["reason"] == REFUSAL
+
+
 # -- configuration -----------------------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@ Liveness is tested deterministically with an injected clock, plus once in real t
 
 from __future__ import annotations
 
+import logging
+
 import threading
 import time
 from dataclasses import dataclass, field
@@ -624,3 +626,26 @@ def test_role_close_raising_still_closes_transport():
     h.t.close()
     assert h.ta.closed and not h.t.alive
     assert h.counters.get("rejected", label="internal_error") == 1
+
+
+# -- log limiting ----------------------------------------------------------------------------------
+
+
+def test_log_limiter_logs_once_then_once_per_period_with_a_count(caplog):
+    from kv_push.common.metrics import LogLimiter
+
+    clock = FakeClock()
+    lim = LogLimiter(logging.getLogger("kv_push.test"), every_s=60.0, max_keys=2, clock=clock)
+    with caplog.at_level(logging.DEBUG, logger="kv_push.test"):
+        assert lim.warn("a", "event %s", 1)
+        assert not lim.warn("a", "event %s", 2)
+        assert not lim.warn("a", "event %s", 3)
+        assert lim.warn("b", "other")  # another key is not suppressed
+        clock.t = 60.0
+        assert lim.warn("a", "event %s", 4)
+    loud = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert loud == ["event 1", "other", "event 4 (2 more like this since, logged at DEBUG)"]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        "event 2", "event 3"]
+    assert lim.warn("c", "third key")  # over max_keys: it starts afresh (memory stays bounded)
+    assert lim.warn("a", "event %s", 5)  # so "a" is new again
