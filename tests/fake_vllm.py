@@ -39,6 +39,7 @@ class Behavior:
     stream_error: bool = False  # a stream fails before any output, as vLLM's does (HTTP 200,
     # then an error event and [DONE])
     metrics_text: str = ""  # what GET /metrics answers
+    break_after: int | None = None  # a stream breaks (connection dropped) after this many chunks
 
 
 @dataclass
@@ -169,6 +170,8 @@ class FakeVLLM:
             for i in range(b.n_chunks):
                 if rec.disconnected:
                     return
+                if b.break_after is not None and i == b.break_after:
+                    raise ConnectionAbortedError("fake server died mid-stream")
                 if i and b.chunk_interval:
                     await asyncio.sleep(b.chunk_interval)
                 if chat:

@@ -373,6 +373,24 @@ async def test_metrics_health_and_models():
         assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "d0"
 
 
+async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event():
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.n_chunks, d.behavior.break_after = 6, 2
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200  # the response had started
+        events = [e for e in data.decode().split("\n\n") if e]
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == [
+            "d0-tok0 ", "d0-tok1 "]
+        err = json.loads(events[2][6:])["error"]
+        assert err["type"] == "decode_error", err
+        assert err["code"] == 502 and events[3] == "data: [DONE]" and len(events) == 4
+        m = await c.metrics()
+        assert m[("kv_push_router_requests_total", (("endpoint", "/v1/completions"),
+                  ("mode", "push"), ("outcome", "decode_error")))] == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
 # -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------
 
 

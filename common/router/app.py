@@ -195,14 +195,22 @@ class ProxyStream(StreamingResponse):
         ex = self.ex
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        tail = self.d.first[-2:]
         if self.d.first:
             await send({"type": "http.response.body", "body": self.d.first, "more_body": True})
         try:
             async for chunk in self.d.rest or ():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:  # too late for an error status: end the stream
+                tail = (tail + chunk)[-2:]
+        except httpx.HTTPError as exc:  # too late for an error status: say so in the stream
             ex.outcome = "decode_error"
-            ex.router.failure(ex, "decode", ex.d.backend.url, exc)
+            err = ex.router.failure(ex, "decode", ex.d.backend.url, exc)
+            if "event-stream" in self.media_type:  # as vLLM reports a failure mid-stream
+                event = json.dumps({"error": {"message": err.message, "type": err.error_type,
+                                              "code": err.status}})
+                end = b"" if tail == b"\n\n" else b"\n\n"  # close a cut-off event first
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": end + f"data: {event}\n\ndata: [DONE]\n\n".encode()})
         self._finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -105,6 +105,18 @@ class Server:
                 self.proc.wait(10)
         self._log.close()
 
+    def rss_bytes(self) -> int:
+        """Resident memory of every live process of this server (its process group)."""
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:  # the process group this server leads
+                    total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        return total
+
     def kill9(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
