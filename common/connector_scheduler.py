@@ -14,6 +14,13 @@ It runs in vLLM's scheduler (engine-core) process and never touches NIXL. Each s
   A request aborted while waiting stages a cancel; vLLM keeps its blocks until the workers report
   it in ``finished_recving``, which they do only once no producer can still write into them.
   A full local prefix hit (nothing to receive) still tells the producer, so it frees its blocks.
+  A request that ends before it was ever staged tells the producer to let go (a release-only
+  registration), unless this scheduler already told a producer about that transfer id: vLLM's
+  API server submits a pre-aborted copy of a request's ``kv_transfer_params`` when its handler
+  fails or is cancelled (``notify_kv_transfer_request_rejected``, vLLM 0.29 and 0.32) -- also
+  when the request itself did reach the engine, e.g. a client that hung up mid-request. A second
+  registration of the same transfer id then displaced the live request's want on the decoder,
+  whose ``CancelAck`` was dropped as stale: its blocks stayed fenced for good.
 
 The request-level parameters come from the router (see ``TransferParams``).
 """
@@ -21,13 +28,19 @@ The request-level parameters come from the router (see ``TransferParams``).
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
 #: Prefix of decoder keys whose outcome no vLLM request waits for (release-only registrations).
 RELEASE_KEY_PREFIX = "release:"
+#: how long (and how many) transfer ids the decoder scheduler remembers having told a producer
+#: about; far longer than any producer keeps a transfer (its rendezvous time-out)
+TOLD_TTL_S = 3600.0
+TOLD_MAX = 1 << 16
 
 
 class TransferParamsError(ValueError):
@@ -118,7 +131,7 @@ class PushScheduler:
     """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM."""
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
-                 counters=None):
+                 counters=None, clock: Callable[[], float] = time.monotonic):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
@@ -127,6 +140,33 @@ class PushScheduler:
         self._waiting: dict[str, _Waiting] = {}  # decoder requests we claimed tokens for
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
         self._held: set[str] = set()  # producer requests whose blocks we keep
+        self._clock = clock
+        # decoder: transfer id -> when an Expect (real or release) for it went out
+        self._told: OrderedDict[str, float] = OrderedDict()
+
+    def _tell(self, expect: "Expect") -> None:
+        self._plan.expects.append(expect)
+        self._told[expect.transfer_id] = self._clock()
+        self._told.move_to_end(expect.transfer_id)
+        while len(self._told) > TOLD_MAX:
+            self._told.popitem(last=False)
+
+    def _told_before(self, transfer_id: str) -> bool:
+        now = self._clock()
+        while self._told and now - next(iter(self._told.values())) > TOLD_TTL_S:
+            self._told.popitem(last=False)
+        return transfer_id in self._told
+
+    def _release(self, rid: str, p: TransferParams, attempt: int, first: int) -> None:
+        """Let the producer free its prefill for ``p`` (nothing will be received for it), once
+        per transfer id (see the module docstring)."""
+        if self._told_before(p.transfer_id):
+            logger.debug("kv_push: request %s ended unseen; transfer %s was already handled "
+                         "(vLLM's rejection notice, or a request sharing it): no release",
+                         rid, p.transfer_id)
+            return
+        self._tell(Expect(RELEASE_KEY_PREFIX + rid, p.transfer_id, attempt, p.remote_host,
+                          p.remote_port, (), first, first))
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
@@ -165,9 +205,7 @@ class PushScheduler:
         w.attempt += 1
         if num_external_tokens <= 0:
             # nothing to receive (full local hit): let the producer free its blocks now
-            self._plan.expects.append(Expect(
-                RELEASE_KEY_PREFIX + request.request_id, p.transfer_id, w.attempt, p.remote_host,
-                p.remote_port, (), w.local_tokens, w.local_tokens))
+            self._release(request.request_id, p, w.attempt, w.local_tokens)
             self._waiting.pop(request.request_id, None)
             self._received.add(request.request_id)
             return
@@ -177,7 +215,7 @@ class PushScheduler:
             raise RuntimeError(
                 f"kv_push: request {request.request_id}: {len(block_ids)} new blocks from token "
                 f"{first} cannot hold {num_external_tokens} tokens (block size {self.block_size})")
-        self._plan.expects.append(Expect(
+        self._tell(Expect(
             request.request_id, p.transfer_id, w.attempt, p.remote_host, p.remote_port,
             tuple(block_ids[:need]), first, first + num_external_tokens))
 
@@ -203,10 +241,8 @@ class PushScheduler:
             # a decoder request that ends before its KV arrived
             if w.staged:
                 self._plan.cancels.append(rid)  # vLLM holds the blocks until we report it
-            else:
-                p = w.params  # never allocated: still let the producer free its blocks
-                self._plan.expects.append(Expect(RELEASE_KEY_PREFIX + rid, p.transfer_id, 0,
-                                                 p.remote_host, p.remote_port, (), 0, 0))
+            else:  # never allocated: still let the producer free its blocks
+                self._release(rid, w.params, 0, 0)
             return False, None
         if not self.is_producer:
             return False, None

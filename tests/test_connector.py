@@ -125,6 +125,40 @@ def test_decoder_abort_before_it_was_ever_scheduled_still_releases_p():
     assert not s.take_plan()
 
 
+def test_vllms_rejection_notice_for_a_handled_request_sends_no_second_registration():
+    """vLLM's API server submits a pre-aborted copy of a request's kv_transfer_params under a
+    new request id when the handler fails or is cancelled -- also when the real request reached
+    the engine (a client hanging up). That copy must not register the transfer id again: on the
+    decoder a second registration displaced the live want, whose CancelAck was then dropped as
+    stale and its blocks stayed fenced (the e2e abort-storm leak)."""
+    s = decoder()
+    real = req("cmpl-t1-0-abcd", dict(D_PARAMS))
+    s.get_num_new_matched_tokens(real, 0)
+    s.update_state_after_alloc(real, list(range(7)), 100)
+    assert [e.key for e in s.take_plan().expects] == ["cmpl-t1-0-abcd"]
+    s.request_finished(real, list(range(7)), finished_ok=False)  # the client hung up
+    notice = req("820969e4f141d096", dict(D_PARAMS), prompt_len=1)
+    assert s.request_finished(notice, [], finished_ok=False) == (False, None)
+    plan = s.take_plan()
+    assert plan.cancels == ["cmpl-t1-0-abcd"] and plan.expects == []
+    # the notice first, then the real request, aborted before it was ever scheduled: one release
+    s.request_finished(req("5d6e7f", dict(D_PARAMS, transfer_id="t2"), prompt_len=1), [], False)
+    s.request_finished(req("cmpl-t2-0-ef01", dict(D_PARAMS, transfer_id="t2")), [], False)
+    (e,) = s.take_plan().expects
+    assert e.key == RELEASE_KEY_PREFIX + "5d6e7f" and e.transfer_id == "t2"
+
+
+def test_transfer_ids_told_are_forgotten_after_a_while():
+    from kv_push.common.connector_scheduler import TOLD_TTL_S
+    clock = SimpleNamespace(t=0.0)
+    s = PushScheduler(is_producer=False, is_decoder=True, block_size=BS, clock=lambda: clock.t)
+    s.request_finished(req("a", dict(D_PARAMS)), [], finished_ok=False)
+    assert len(s.take_plan().expects) == 1
+    clock.t = TOLD_TTL_S + 1  # long after any producer forgot the transfer
+    s.request_finished(req("b", dict(D_PARAMS)), [], finished_ok=False)
+    assert [e.key for e in s.take_plan().expects] == [RELEASE_KEY_PREFIX + "b"]
+
+
 def test_decoder_rejects_a_block_list_too_short_for_the_tokens():
     s = decoder()
     r = req("r1", dict(D_PARAMS), prompt_len=100)
