@@ -30,12 +30,14 @@ from kv_push.common.testing.vllm_servers import Server, free_port, metric, route
 
 try:
     from conftest import free_port_pair
-    from e2e_support import (MAX_TOKENS, REQUEST_BOUND_S, References, body, complete,
-                             heavy_venvs, make_prompts, signature, tiny_model, wait_idle)
+    from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
+                             complete, heavy_venvs, make_prompts, signature, tiny_model,
+                             wait_idle)
 except ModuleNotFoundError:  # imported as a package module
     from tests.conftest import free_port_pair
-    from tests.e2e_support import (MAX_TOKENS, REQUEST_BOUND_S, References, body, complete,
-                                   heavy_venvs, make_prompts, signature, tiny_model, wait_idle)
+    from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
+                                   complete, heavy_venvs, make_prompts, signature, tiny_model,
+                                   wait_idle)
 
 pytestmark = pytest.mark.e2e
 
@@ -68,10 +70,11 @@ def start(env, name: str, cpu, **kw) -> Server:
                        log_dir=env["logs"], **kw)
 
 
-def producer(env, name: str, cpu=0, tp: int = 1, **kw) -> tuple[Server, int]:
+def producer(env, name: str, cpu=0, tp: int = 1, extra_config: dict | None = None,
+             **kw) -> tuple[Server, int]:
     kv_port = free_port_pair(tp)  # rank r listens on kv_port + r
     return start(env, name, cpu, kv_role="kv_producer", kv_port=kv_port, tp=tp,
-                 extra_config={"rendezvous_ttl_s": TTL}, **kw), kv_port
+                 extra_config={"rendezvous_ttl_s": TTL, **(extra_config or {})}, **kw), kv_port
 
 
 def decoder(env, name: str, cpu=1, **kw) -> Server:
@@ -220,7 +223,7 @@ def _summary(results: list[dict]) -> str:
 
 class TestKillMidStream:
     @pytest.fixture(scope="class")
-    def trio(self, env):
+    def trio(self, env, prompts):
         servers = []
         try:
             p1, kv1 = producer(env, "prefill-1")
@@ -230,8 +233,8 @@ class TestKillMidStream:
             up(servers)
             servers.append(r1 := front(env, "router-1", p1, kv1, d))
             servers.append(r2 := front(env, "router-2", p2, kv2, d))
-            for r in (r1, r2):  # warm: handshakes done
-                complete(r.url, "warm up " * 150)
+            for r in (r1, r2):  # warm: first steps and handshakes done
+                complete(r.url, prompts[2])
             yield {"p1": p1, "p2": p2, "d": d, "r1": r1, "r2": r2}
         finally:
             stop(servers)
@@ -277,20 +280,30 @@ class TestKillMidStream:
 # -- TP 2 --------------------------------------------------------------------------------------
 
 
+#: Four TP workers (2 per server) on the 2 cores of this box: a server's first steps took over
+#: 10 s and a worker's transfer thread went unheard for 7.5 s (a false "dead" with the default
+#: 5 s heartbeat). So here: a long rendezvous time-out and heartbeat, and both servers warmed.
+TP2_CONFIG = {"rendezvous_ttl_s": 300, "heartbeat_interval_s": 30}
+
+
 class TestTensorParallel2:
     @pytest.fixture(scope="class")
     def tp2(self, env, prompts, figures):
         servers = []
         try:
-            p, kv = producer(env, "prefill-tp2", cpu="0|1", tp=2)
-            d = decoder(env, "decode-tp2", cpu="0|1", tp=2)
+            p, kv = producer(env, "prefill-tp2", cpu="0|1", tp=2, extra_config=TP2_CONFIG)
+            d = decoder(env, "decode-tp2", cpu="0|1", tp=2, extra_config=TP2_CONFIG)
             servers += [p, d]
             up(servers)
             figures("e2e faults", "TP 2: resident memory of P and D",
                     f"{p.rss_bytes() / 2**30:.1f} + {d.rss_bytes() / 2**30:.1f} GiB")
+            complete(d.url, prompts[NUM_PROMPTS - 1])  # D's first steps, alone
             # P alone (no kv_transfer_params) is a single server at TP 2: the reference
             reference = {q: signature(complete(p.url, q)["choices"][0]) for q in prompts[:8]}
             servers.append(r := front(env, "router-tp2", p, kv, d))
+            t0 = time.monotonic()
+            complete(r.url, prompts[9], timeout=300)  # the handshakes of both ranks
+            figures("e2e faults", "TP 2: first request through P and D", time.monotonic() - t0)
             yield {"p": p, "d": d, "router": r, "reference": reference}
         finally:
             stop(servers)
