@@ -7,14 +7,20 @@ and returns at once; results come back through thread-safe queues the engine dra
 
 * producer: ``prefill_done(...)``; ``released`` yields request keys whose blocks may be freed;
 * decoder: ``expect(...)``, ``cancel(key)``; ``outcomes`` yields ``Outcome`` records.
+
+``describe()`` tells what the worker holds in detail (for diagnosing a leak); with
+``KV_PUSH_STATE_LOG_S=N`` in the environment a worker logs it every N seconds while it holds
+anything (the end-to-end suite sets it, and prints those lines when a server is left busy).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import threading
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from .backend import BackendError, HostBackend, KVBackend
 from .config import PushConfig
@@ -27,6 +33,10 @@ from .transfer_thread import TransferThread
 from .transport import NixlTransport, Transport
 
 logger = logging.getLogger(__name__)
+
+#: environment variable: seconds between state logs (``describe``) while a worker holds
+#: anything; unset or 0: never
+STATE_LOG_ENV = "KV_PUSH_STATE_LOG_S"
 
 
 class PushWorker:
@@ -64,6 +74,7 @@ class PushWorker:
                                      tp_rank=geometry.tp_rank, geometry=geometry,
                                      config=self.config, counters=self.counters)
         self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._stop = threading.Event()
         self.producer: Producer | None = None
         self.decoder: Decoder | None = None
         self.side_channel: SideChannelServer | None = None
@@ -111,7 +122,24 @@ class PushWorker:
         self.thread.start()
         if self.side_channel is not None:
             self.side_channel.start()
+        every = float(os.environ.get(STATE_LOG_ENV) or 0)
+        if every > 0:
+            self._state_log = threading.Thread(target=self._log_state, args=(every,),
+                                               name="kv-push-state-log", daemon=True)
+            self._state_log.start()
         return self
+
+    def _log_state(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                state = self.describe()
+            except Exception as e:  # noqa: BLE001 - a diagnostic must never hurt the worker
+                logger.warning("kv_push state (rank %d): unreadable: %r",
+                               self.geometry.tp_rank, e)
+                continue
+            if any(state.get(k) for k in ("wants", "sources", "jobs", "transfers",
+                                          "rendezvous")):
+                logger.warning("kv_push state (rank %d): %s", self.geometry.tp_rank, state)
 
     # -- producer --------------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int) -> None:
@@ -154,7 +182,34 @@ class PushWorker:
             return out
         return self.thread.call(read, timeout) if self.thread.alive else read()
 
+    def describe(self, timeout: float = 5.0) -> dict[str, Any]:
+        """What this worker holds, read on the transfer thread: per decoder want its key,
+        transfer id, attempt, state, the producer ranks expected / resolved / arrived and its
+        age; per producer the unreleased sources (key, transfer id), WRITE jobs, open transfers
+        (targets, resolved) and the number of rendezvous entries."""
+        def read() -> dict[str, Any]:
+            now = self.thread.clock()
+            out: dict[str, Any] = {"peers": sorted(self.thread.peers)}
+            if self.decoder is not None:
+                out["wants"] = [
+                    {"key": w.key, "tid": w.transfer_id, "attempt": w.attempt,
+                     "state": w.state, "expected": sorted(w.expected),
+                     "resolved": sorted(w.resolved), "arrived": sorted(w.arrived),
+                     "age_s": round(now - w.started, 1)}
+                    for w in self.decoder.wants.values()]
+            if self.producer is not None:
+                p = self.producer
+                out["sources"] = [(src.key, src.transfer_id) for src in p.sources.values()]
+                out["jobs"] = [list(k) for k in p.jobs]
+                out["transfers"] = {tid: {"targets": sorted(tr.targets or ()),
+                                          "resolved": sorted(tr.resolved)}
+                                    for tid, tr in p.transfers.items()}
+                out["rendezvous"] = len(p.rdv)
+            return out
+        return self.thread.call(read, timeout) if self.thread.alive else read()
+
     def close(self) -> None:
+        self._stop.set()
         if self.side_channel is not None:
             self.side_channel.close()
         self.thread.close()

@@ -153,6 +153,16 @@ def wait_idle(servers: list[Server], within: float) -> tuple[bool, dict[str, dic
         time.sleep(0.5)
 
 
+def assert_idle(servers: list[Server], within: float) -> float:
+    """``wait_idle``; on failure, fail with what each server holds and the last lines its
+    connector logged (its workers' state logs among them). Returns the seconds waited."""
+    idle, state, waited = wait_idle(servers, within)
+    if not idle:
+        dump = "\n".join(f"--- {s.name} ---\n" + log_lines(s, "kv_push") for s in servers)
+        raise AssertionError(f"work left behind after {waited:.0f} s: {state}\n{dump}")
+    return waited
+
+
 def log_lines(server: Server, *needles: str, last: int = 40) -> str:
     """The last ``last`` lines of a server's log that contain any of ``needles``."""
     lines = [ln for ln in server.log_text().splitlines() if any(n in ln for n in needles)]

@@ -27,17 +27,18 @@ import httpx
 import pytest
 
 from kv_push.common.testing.vllm_servers import Server, free_port, metric, router, vllm_server
+from kv_push.common.worker import STATE_LOG_ENV
 
 try:
     from conftest import free_port_pair
     from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
-                             complete, heavy_venvs, make_prompts, signature, tiny_model,
-                             wait_idle)
+                             assert_idle, complete, heavy_venvs, make_prompts, signature,
+                             tiny_model)
 except ModuleNotFoundError:  # imported as a package module
     from tests.conftest import free_port_pair
     from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
-                                   complete, heavy_venvs, make_prompts, signature, tiny_model,
-                                   wait_idle)
+                                   assert_idle, complete, heavy_venvs, make_prompts,
+                                   signature, tiny_model)
 
 pytestmark = pytest.mark.e2e
 
@@ -66,8 +67,9 @@ def env(request, model, prompts, tmp_path_factory):
 
 
 def start(env, name: str, cpu, **kw) -> Server:
+    # workers log what they hold every 5 s while they hold anything (diagnostics)
     return vllm_server(name, python=env["python"], model=env["model"], port=free_port(), cpu=cpu,
-                       log_dir=env["logs"], **kw)
+                       log_dir=env["logs"], extra_env={STATE_LOG_ENV: "5"}, **kw)
 
 
 def producer(env, name: str, cpu=0, tp: int = 1, extra_config: dict | None = None,
@@ -145,8 +147,7 @@ class TestIncompatiblePeers:
         assert h.status_code == 503, h.text
         (inc,) = h.json()["incompatible"]
         assert "block_size" in inc["reason"] and inc["decode"] == d.url
-        idle, state, _ = wait_idle([d], within=IDLE_BOUND)
-        assert idle, state
+        assert_idle([d], within=IDLE_BOUND)
 
     def test_recompute_policy_serves_by_local_prefill(self, pair, prompts, env):
         d = pair["d_rec"]
@@ -251,9 +252,8 @@ class TestKillMidStream:
             else:  # failed cleanly: an error status or event, not a silent truncation
                 assert r["error"], r
         assert in_flight >= 1
-        idle, state, waited = wait_idle([d], within=IDLE_BOUND)
+        waited = assert_idle([d], within=IDLE_BOUND)
         figures("e2e faults", "kill -9 P: D idle (no request, no KV) after", waited)
-        assert idle, state
         # D keeps serving, through the other producer
         prompt = prompts[5]
         got = complete(trio["r2"].url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
@@ -269,9 +269,8 @@ class TestKillMidStream:
         assert in_flight >= 1
         for r in results:  # D died under every one of them: none may look complete
             assert r["error"] and not r["done"], r
-        idle, state, waited = wait_idle([p2], within=IDLE_BOUND)
+        waited = assert_idle([p2], within=IDLE_BOUND)
         figures("e2e faults", "kill -9 D: P idle (no request, no KV) after", waited)
-        assert idle, state
         prompt = prompts[5]  # P keeps serving (alone: nothing to push to)
         got = complete(p2.url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
         assert signature(got) == env["reference"][prompt]
@@ -319,5 +318,4 @@ class TestTensorParallel2:
         assert metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
         # each D rank counted its own completions: both ranks' transfers are in the total
         assert metric(d.url, "vllm:kv_push_transfers_done_total") >= 2 * 8
-        idle, state, _ = wait_idle([tp2["p"], d], within=IDLE_BOUND)
-        assert idle, state
+        assert_idle([tp2["p"], d], within=IDLE_BOUND)

@@ -652,3 +652,28 @@ def test_log_limiter_logs_once_then_once_per_period_with_a_count(caplog):
         "event 2", "event 3"]
     assert lim.warn("c", "third key")  # over max_keys: it starts afresh (memory stays bounded)
     assert lim.warn("a", "event %s", 5)  # so "a" is new again
+
+
+# -- what a worker holds (diagnostics) ------------------------------------------------------------
+
+
+def test_worker_describes_what_it_holds_and_logs_it_when_asked(monkeypatch, caplog):
+    from kv_push.common.worker import STATE_LOG_ENV, PushWorker
+
+    monkeypatch.setenv(STATE_LOG_ENV, "0.05")
+    w = PushWorker(geometry=GEOM, role="both", engine_id="E",
+                   config=PushConfig(side_channel_port=0, heartbeat_interval_s=30.0),
+                   transport_factory=lambda: FakeTransport(Wire(), "A"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="kv_push"):
+            w.start()
+            assert w.describe() == {"peers": [], "wants": [], "sources": [], "jobs": [],
+                                    "transfers": {}, "rendezvous": 0}
+            w.prefill_done("p1", "t1", (0, 1), 8)  # no decoder registered: held
+            assert wait_until(lambda: w.describe()["sources"] == [("p1", "t1")])
+            assert w.describe()["rendezvous"] == 1
+            assert wait_until(lambda: any("kv_push state" in r.getMessage()
+                                          and "'p1'" in r.getMessage()
+                                          for r in caplog.records))
+    finally:
+        w.close()
