@@ -262,13 +262,15 @@ class TestKillMidStream:
 
     def test_kill_decode_mid_stream(self, trio, prompts, env, figures):
         p2 = trio["p2"]
+        # long streams (the tiny model decodes a few ms per token): D dies under most of them
         results, in_flight = _traffic_with_kill(trio["r2"].url, prompts, trio["d"],
-                                                max_tokens=256)
+                                                max_tokens=400)
         figures("e2e faults", "kill -9 D mid-stream: requests", len(results),
                 f"{in_flight} in flight at the kill; {_summary(results)}")
         assert in_flight >= 1
-        for r in results:  # D died under every one of them: none may look complete
-            assert r["error"] and not r["done"], r
+        for r in results:  # complete (done before the kill), or an error: never cut silently
+            assert (r["done"] and not r["error"]) or r["error"], r
+        assert sum(bool(r["error"]) for r in results) >= 1, "the kill interrupted nothing"
         waited = assert_idle([p2], within=IDLE_BOUND)
         figures("e2e faults", "kill -9 D: P idle (no request, no KV) after", waited)
         prompt = prompts[5]  # P keeps serving (alone: nothing to push to)
@@ -279,10 +281,11 @@ class TestKillMidStream:
 # -- TP 2 --------------------------------------------------------------------------------------
 
 
-#: Four TP workers (2 per server) on the 2 cores of this box: a server's first steps took over
-#: 10 s and a worker's transfer thread went unheard for 7.5 s (a false "dead" with the default
-#: 5 s heartbeat). So here: a long rendezvous time-out and heartbeat, and both servers warmed.
-TP2_CONFIG = {"rendezvous_ttl_s": 300, "heartbeat_interval_s": 30}
+#: Four TP workers (2 per server) on the 2 cores of this box starve the workers' transfer
+#: threads: with the defaults a server's first steps took over 10 s, a worker went unheard for
+#: 7.5 s (a false "dead": 5 s heartbeat) and a handshake timed out (5 s). So here: long time-outs
+#: and heartbeat, and both servers warmed.
+TP2_CONFIG = {"rendezvous_ttl_s": 300, "heartbeat_interval_s": 30, "handshake_timeout_s": 60}
 
 
 class TestTensorParallel2:

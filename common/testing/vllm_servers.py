@@ -102,7 +102,11 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.proc.wait(10)
+                try:  # a big process on a loaded box can take a while to go
+                    self.proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    print(f"{self.name} (pid {self.proc.pid}) still there after SIGKILL",
+                          file=sys.stderr)
         self._log.close()
 
     def rss_bytes(self) -> int:
@@ -122,7 +126,7 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(10)
+        self.proc.wait(120)
 
 
 def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str, log_dir: Path,
