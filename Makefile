@@ -9,11 +9,11 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-fast bench-transfer bench-serving clean-venv
 
-$(STAMP): pyproject.toml scripts/setup_env.sh
+$(STAMP): pyproject.toml scripts/setup_env.sh scripts/vllm_cpu_alias.py
 	bash scripts/setup_env.sh $(VENV)
 	touch $(STAMP)
 
-$(STAMP029): pyproject.toml scripts/setup_env.sh
+$(STAMP029): pyproject.toml scripts/setup_env.sh scripts/vllm_cpu_alias.py
 	KV_PUSH_VLLM_VERSION=0.29.0 bash scripts/setup_env.sh $(VENV029)
 	touch $(STAMP029)
 

@@ -69,6 +69,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import httpx
 
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
@@ -92,13 +94,8 @@ def log(msg: str) -> None:
 
 
 def pct(values: list[float], q: float) -> float | None:
-    """Percentile with linear interpolation (numpy's default), None for no data."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    """The q-th percentile (numpy's linear interpolation); None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def summarize(reqs: list[dict]) -> dict:

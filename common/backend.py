@@ -1,20 +1,33 @@
-"""Memory backends: the only accelerator-specific part of the distribution.
+"""Memory backends: the seam, the table of backends, the host backend, and selection.
 
-A backend knows how to describe and register one worker's KV memory; everything else (protocol,
-rendezvous, mapping, transfers) lives once in ``common/``. A backend answers:
+A backend is the only accelerator-specific part of the distribution: it knows how to describe and
+register one worker's KV memory; everything else (protocol, rendezvous, mapping, transfers) lives
+once in ``common/``. ``KVBackend`` is the contract, ``BACKENDS`` the one table of them.
 
-* ``mem_type`` -- the NIXL memory type of its KV memory ("DRAM" or "VRAM");
-* ``available()`` -- can it run on this machine (used for detection);
-* ``prepare()`` -- what must hold before the NIXL agent is created (environment, runtime
-  initialisation); raise ``BackendError`` with a clear message when it cannot run here;
-* ``device_id(tensor)`` -- the device id NIXL descriptors carry for a tensor of its KV cache;
-* ``verify_registration(geometry)`` -- after registering, check that the memory really is what
-  the backend claims (e.g. device memory rather than a silent host fallback).
+Adding a backend
+----------------
+Write a class with the members of ``KVBackend`` in its own package (``gpu_push/backend.py`` is
+the example: detection, start-up checks, device id, and a ``verify_registration`` that hands its
+per-address check to ``verify_regions``), and add one entry to ``BACKENDS``. Tensor description
+(``kv_tensors.describe_kv_caches``) needs nothing from a backend but ``mem_type`` and
+``device_id``; the config accepts every name in ``BACKENDS``.
 
-Choose with ``KV_PUSH_BACKEND=host|cuda|neuron``; unset, it is detected (neuron, then cuda, then
-host). ``describe_kv_caches`` turns the tensors vLLM hands the connector into a ``KVGeometry``
-using only duck-typed tensor attributes (``data_ptr()``, ``shape``, ``stride()``,
-``element_size()``), so it works for torch tensors of any device and for test stand-ins.
+Lifecycle (``worker.PushWorker``, in each vLLM worker process, on the thread that builds it)
+---------------------------------------------------------------------------------------------
+``select_backend`` (class ``available()`` for detection, then an instance) -> ``device_id`` for
+the KV tensors (while describing them) -> ``prepare`` -> the transport is created with one of
+``nixl_backends`` and registers the KV regions -> ``verify_registration``. Nothing is called
+after that: backends hold no state the transfer path needs.
+
+Failure model
+-------------
+Everything a backend refuses is a ``BackendError`` whose message says what to change (an
+environment variable, a driver, a launcher setting). It is raised at start-up only, so vLLM's
+worker fails to start instead of serving with KV that cannot be transferred or, worse, with a
+registration that silently moved host memory.
+
+Choose with ``KV_PUSH_BACKEND=<name in BACKENDS>``; unset, the first entry of ``BACKENDS`` whose
+``available()`` is true is used (the host backend, last, always is).
 """
 
 from __future__ import annotations
@@ -22,19 +35,25 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol
 
-from .geometry import GeometryError, KVGeometry, TokenOrder
+from .geometry import KVGeometry
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "KV_PUSH_BACKEND"
+
+#: Every memory backend, ``name -> "module:Class"``, in detection order (first available wins;
+#: the host backend, last, always is). Adding a backend is one entry here.
 BACKENDS = {
-    "host": "kv_push.common.backend:HostBackend",
-    "cuda": "kv_push.gpu_push.backend:CudaBackend",
     "neuron": "kv_push.neuron_push.backend:NeuronBackend",
+    "cuda": "kv_push.gpu_push.backend:CudaBackend",
+    "host": "kv_push.common.backend:HostBackend",
 }
-DETECT_ORDER = ("neuron", "cuda", "host")
+
+#: The NIXL backends kv-push can drive (``PushConfig.nixl_backends`` is checked against these;
+#: each memory backend says which of them can register its memory).
+NIXL_BACKENDS = ("UCX", "LIBFABRIC")
 
 
 class BackendError(RuntimeError):
@@ -42,18 +61,113 @@ class BackendError(RuntimeError):
 
 
 class KVBackend(Protocol):
+    """What kv-push needs to know about one kind of KV memory. See the module docstring."""
+
+    #: the name in ``BACKENDS`` and ``KV_PUSH_BACKEND``
     name: str
+    #: the NIXL memory type of this backend's KV memory: "DRAM" (host) or "VRAM" (device)
     mem_type: str
-    nixl_backends: tuple[str, ...]  # the NIXL backends that can register this memory
+    #: NIXL backends (from ``NIXL_BACKENDS``) that can register this memory, preferred first;
+    #: the transport uses the first unless the config names others from this list
+    nixl_backends: tuple[str, ...]
+    #: whether the NIXL agent runs its own progress thread (False everywhere today: the transfer
+    #: thread polls; see docs/neuron.md for why LIBFABRIC keeps it off too)
+    nixl_progress_thread: bool
 
     @classmethod
-    def available(cls) -> bool: ...
+    def available(cls) -> bool:
+        """Whether this machine has the device and software this backend needs (detection).
 
-    def prepare(self, colocated: bool = False) -> None: ...
+        Returns:
+            True when the backend can plausibly run here. Must be cheap, must not initialise
+            a device runtime, and never raises (a missing library is False).
+        """
+        ...
 
-    def device_id(self, tensor: Any) -> int: ...
+    def prepare(self, colocated: bool = False) -> None:
+        """Check, and where it is the backend's job arrange, what must hold before the NIXL
+        agent is created (environment variables, runtime initialisation, transport settings).
 
-    def verify_registration(self, geometry: KVGeometry) -> None: ...
+        Args:
+            colocated: prefill and decode run on this same host.
+
+        Raises:
+            BackendError: a condition does not hold; the message says how to fix it. Conditions
+                that only make transfers slow are logged as warnings instead.
+        """
+        ...
+
+    def device_id(self, tensor: Any) -> int:
+        """The device id NIXL descriptors carry for a KV tensor of this backend.
+
+        Args:
+            tensor: one of the KV cache tensors vLLM hands the connector (a torch tensor, or a
+                duck-typed stand-in in tests).
+
+        Returns:
+            The device ordinal (0 for host memory).
+
+        Raises:
+            BackendError: the tensor is not in this backend's memory (e.g. a CPU tensor given
+                to a device backend).
+        """
+        ...
+
+    def verify_registration(self, geometry: KVGeometry) -> None:
+        """After the transport registered ``geometry.regions()``: check the memory really is
+        what this backend claims (e.g. device memory of ``geometry.dev_id`` rather than a silent
+        host fallback). Implement it with ``verify_regions`` and a per-address check.
+
+        Args:
+            geometry: the described KV cache (``kv_tensors.describe_kv_caches``).
+
+        Raises:
+            BackendError: the memory type or any region is not this backend's memory.
+        """
+        ...
+
+
+def verify_regions(
+    backend: KVBackend,
+    geometry: KVGeometry,
+    check_address: Callable[[int], Any] | None = None,
+    *,
+    last_byte: bool = True,
+) -> list[Any]:
+    """The shared part of every ``verify_registration``.
+
+    Args:
+        backend: the backend whose memory ``geometry`` should be.
+        geometry: the registered KV cache.
+        check_address: the backend's check of one address: raises ``BackendError`` saying what
+            the memory at that address is instead, or returns a value the backend wants to keep
+            (e.g. which network device serves it). Called on the first and (``last_byte``) the
+            last byte of every region, since a region is registered as one range and both ends
+            must lie in the backend's memory. None: only the memory type is checked.
+        last_byte: also check each region's last byte; False where the backend's check is
+            documented only for an allocation's base address (Neuron).
+
+    Returns:
+        ``check_address``'s results, one or two per region, in ``geometry.regions()`` order.
+
+    Raises:
+        BackendError: ``geometry.mem_type`` is not ``backend.mem_type``, or ``check_address``
+            raised (its message gains the region it was checking).
+    """
+    if geometry.mem_type != backend.mem_type:
+        raise BackendError(f"{backend.name} backend got {geometry.mem_type} memory, "
+                           f"expected {backend.mem_type}")
+    results: list[Any] = []
+    if check_address is None:
+        return results
+    for base, length in geometry.regions():
+        for addr in ((base, base + length - 1) if last_byte else (base,)):
+            try:
+                results.append(check_address(addr))
+            except BackendError as e:
+                raise BackendError(f"{e} [KV region {base:#x}+{length}, tp_rank "
+                                   f"{geometry.tp_rank}]") from None
+    return results
 
 
 class HostBackend:
@@ -62,6 +176,7 @@ class HostBackend:
     name = "host"
     mem_type = "DRAM"
     nixl_backends = ("UCX",)
+    nixl_progress_thread = False
 
     @classmethod
     def available(cls) -> bool:
@@ -74,8 +189,7 @@ class HostBackend:
         return 0
 
     def verify_registration(self, geometry: KVGeometry) -> None:
-        if geometry.mem_type != "DRAM":
-            raise BackendError(f"host backend got {geometry.mem_type} memory")
+        verify_regions(self, geometry)  # any host address can be registered as DRAM
 
 
 def _load(spec: str) -> type:
@@ -84,7 +198,19 @@ def _load(spec: str) -> type:
 
 
 def select_backend(name: str | None = None) -> KVBackend:
-    """The backend named by ``name`` or ``$KV_PUSH_BACKEND``; detected when both are unset."""
+    """The memory backend for this process.
+
+    Args:
+        name: a name in ``BACKENDS``; None or "" reads ``$KV_PUSH_BACKEND``, and when that is
+            unset too, the first available backend in ``BACKENDS`` order is used.
+
+    Returns:
+        A new instance of the backend, built with its defaults.
+
+    Raises:
+        BackendError: the name is not in ``BACKENDS``, or the named backend is not available
+            on this machine.
+    """
     name = (name or os.environ.get(BACKEND_ENV, "")).strip().lower() or None
     if name is not None:
         if name not in BACKENDS:
@@ -98,133 +224,12 @@ def select_backend(name: str | None = None) -> KVBackend:
                 f"({cls.__doc__.strip().splitlines()[0] if cls.__doc__ else cls.__name__})"
             )
         return cls()
-    for candidate in DETECT_ORDER:
+    for candidate, spec in BACKENDS.items():
         try:
-            cls = _load(BACKENDS[candidate])
+            cls = _load(spec)
         except ImportError:
             continue
         if cls.available():
             logger.info("kv_push: detected backend %s", candidate)
             return cls()
     return HostBackend()
-
-
-# -- describing the tensors vLLM gives the connector -----------------------------------------
-
-#: Dimension names: "2" the K/V axis, "B" blocks, "T" tokens in a block, "H" heads, "D" head size.
-#: 4-D layouts have no K/V axis: each vector holds K and V together (vLLM's CPU backend keeps
-#: ``(num_blocks, heads, block_size, 2 * head_size)``), so "D" there is ``2 * head_size``.
-KNOWN_LAYOUTS = ("2BTHD", "2BHTD", "B2THD", "B2HTD", "BHTD", "BTHD")
-
-
-def guess_dims(shape: Sequence[int], block_size: int, local_heads: int, head_size: int) -> str:
-    """Name the axes of a 5-D KV tensor from its shape; raise if ambiguous or unknown."""
-    if len(shape) not in (4, 5):
-        raise GeometryError(f"expected a 4-D or 5-D KV cache tensor, got shape {tuple(shape)}")
-    matches = []
-    for dims in KNOWN_LAYOUTS:
-        if len(dims) != len(shape):
-            continue
-        want = {"2": 2, "T": block_size, "H": local_heads,
-                "D": head_size if len(shape) == 5 else 2 * head_size}
-        if all(dims[i] == "B" or shape[i] == want[dims[i]] for i in range(len(shape))):
-            matches.append(dims)
-    if len(matches) != 1:
-        raise GeometryError(
-            f"cannot tell the axes of KV tensor shape {tuple(shape)} (block_size={block_size}, "
-            f"heads={local_heads}, head_size={head_size}): candidates {matches}; pass dims"
-        )
-    return matches[0]
-
-
-def describe_kv_caches(
-    tensors: Sequence[Any],
-    *,
-    backend: KVBackend,
-    num_kv_heads: int,
-    head_size: int,
-    block_size: int,
-    tp_size: int,
-    tp_rank: int,
-    dtype: str,
-    dims: str | None = None,
-    opaque_combined: bool = True,
-) -> KVGeometry:
-    """A geometry for per-layer KV tensors (one 5-D tensor per layer, all laid out alike).
-
-    The physical token order (NHD or HND) is read from the strides, so a permuted view (vLLM's
-    stride order for HND backends) is described correctly. A 4-D combined ``[K | V]`` cache
-    (vLLM's CPU backend) is ``opaque`` unless ``opaque_combined`` is False: its kernels tile a
-    block's interior per ISA, so only whole blocks can be copied.
-    """
-    if not tensors:
-        raise GeometryError("no KV cache tensors to describe")
-    local_heads = max(1, num_kv_heads // tp_size)
-    first = tensors[0]
-    shape = tuple(int(s) for s in first.shape)
-    dims = dims or guess_dims(shape, block_size, local_heads, head_size)
-    if sorted(dims) not in (sorted("2BTHD"), sorted("BTHD")) or len(dims) != len(shape):
-        raise GeometryError(f"dims {dims!r} must name the axes (2,) B, T, H and D once each")
-    kv_parts = 2 if "2" in dims else 1
-    if kv_parts == 1:
-        head_size = int(shape[dims.index("D")])  # the combined [K | V] vector
-    axis = {d: dims.index(d) for d in dims}
-    esize = int(first.element_size())
-    k_bases, v_bases = [], []
-    ref = None
-    for t in tensors:
-        tshape = tuple(int(s) for s in t.shape)
-        strides = tuple(int(s) for s in t.stride())
-        if tshape != shape:
-            raise GeometryError(f"KV tensors differ in shape: {shape} and {tshape}")
-        if ref is None:
-            ref = strides
-        elif strides != ref:
-            raise GeometryError(f"KV tensors differ in strides: {ref} and {strides}")
-        base = int(t.data_ptr())
-        if base == 0:
-            raise GeometryError(
-                "a KV tensor has data_ptr() == 0: its memory is not mapped into this process "
-                "(on Neuron, set NEURON_RT_MAP_HBM=1 before the first device allocation)"
-            )
-        k_bases.append(base)
-        if kv_parts == 2:
-            v_bases.append(base + strides[axis["2"]] * esize)
-    assert ref is not None
-    s = {d: ref[axis[d]] for d in dims}
-    if s["D"] != 1:
-        raise GeometryError(f"head_size axis must be contiguous, stride is {s['D']}")
-    order: TokenOrder
-    if kv_parts == 1 and opaque_combined:
-        order = "opaque"
-    elif s["H"] == head_size and s["T"] == local_heads * head_size:
-        order = "NHD"
-    elif s["T"] == head_size and s["H"] == shape[axis["T"]] * head_size:
-        order = "HND"
-    else:
-        raise GeometryError(f"block is not a dense NHD or HND tile (strides {ref}, dims {dims})")
-    if shape[axis["T"]] != block_size or shape[axis["H"]] != local_heads:
-        raise GeometryError(
-            f"tensor shape {shape} ({dims}) does not hold block_size={block_size} and "
-            f"{local_heads} local heads"
-        )
-    geometry = KVGeometry(
-        num_layers=len(tensors),
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        dtype_bytes=esize,
-        dtype=dtype,
-        block_size=block_size,
-        token_order=order,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        num_blocks=shape[axis["B"]],
-        block_stride=s["B"] * esize,
-        k_bases=tuple(k_bases),
-        v_bases=tuple(v_bases),
-        mem_type=backend.mem_type,
-        dev_id=backend.device_id(first),
-        kv_parts=kv_parts,
-    )
-    geometry.validate()
-    return geometry

@@ -2,8 +2,13 @@
 
 Sources, later ones winning: defaults, ``kv_connector_extra_config`` (a dict from vLLM's
 ``--kv-transfer-config``), then environment variables for the few settings operators set per
-host (``KV_PUSH_SECRET``, ``KV_PUSH_SIDE_CHANNEL_HOST``, ``KV_PUSH_SIDE_CHANNEL_PORT``,
-``KV_PUSH_BACKEND``). Unknown keys and bad values raise ``ConfigError`` naming the key.
+host (``KV_PUSH_SIDE_CHANNEL_HOST``, ``KV_PUSH_SIDE_CHANNEL_PORT``, ``KV_PUSH_BACKEND``). Unknown
+keys and bad values raise ``ConfigError`` naming the key.
+
+The shared secret comes from the environment only (``KV_PUSH_SECRET``), or from a file named by
+``secret_file`` / ``KV_PUSH_SECRET_FILE`` (``auth.load_secret``): vLLM prints
+``kv_connector_extra_config`` in its start-up "non-default args" log line, so a ``secret`` key
+there is refused. The key never appears in ``repr`` or in an error message.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from .backend import BACKENDS, NIXL_BACKENDS
+from .auth import SECRET_ENV, SECRET_FILE_ENV, SecretError, load_secret
 
 
 class ConfigError(ValueError):
@@ -23,13 +31,14 @@ class PushConfig:
     #: where a producer worker listens for decoders' handshakes (its tp_rank is added to the port)
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
-    #: memory backend: host, cuda, neuron, or "" to detect
+    #: memory backend: a name in ``backend.BACKENDS`` (host, cuda, neuron), or "" to detect
     backend: str = ""
     #: NIXL backends for the agent; empty: the memory backend's own choice (host and cuda: UCX,
     #: neuron: LIBFABRIC). p5en over EFA: ("LIBFABRIC",).
     nixl_backends: tuple[str, ...] = ()
     #: liveness interval: 4 heartbeats go out per interval; a peer silent for 1.5 intervals is
-    #: declared dead (process death is seen at once through the side-channel lifeline)
+    #: *unresponsive*: its transfers are failed, but it is not taken for dead (blocks it may
+    #: write stay fenced) -- only its side-channel lifeline closing proves death
     heartbeat_interval_s: float = 5.0
     #: a registration or prefill that never finds its other half is dropped after this long
     rendezvous_ttl_s: float = 120.0
@@ -37,8 +46,20 @@ class PushConfig:
     transfer_timeout_s: float = 60.0
     #: a handshake with a peer must finish within this
     handshake_timeout_s: float = 5.0
-    #: HMAC key for control messages; empty disables authentication
+    #: a decoder re-sends an unanswered ``Cancel`` after this long, then doubling (up to 8x)
+    cancel_retry_s: float = 1.0
+    #: a decoder keeps blocks fenced at most this long for a producer that neither answers the
+    #: cancel nor dies; then it treats it as dead: closes its lifeline, drops it, frees the blocks
+    #: (this bounds how long a WRITE may stay in flight)
+    fence_timeout_s: float = 30.0
+    #: HMAC key for control messages and router-signed transfer parameters; empty disables
+    #: authentication. Set from the environment only (see the module docstring).
     secret: bytes = field(default=b"", repr=False)
+    #: a file holding the secret (its path is no secret; the contents are read at start-up)
+    secret_file: str = ""
+    #: connections a producer worker's side channel serves at once (handshakes and lifelines
+    #: together: about one per decoder TP rank that talks to this rank); more are refused
+    max_side_channel_connections: int = 1024
     #: producer and decoder share a host (Neuron: needs FI_EFA_ENABLE_SHM_TRANSFER=0)
     colocated: bool = False
     #: a WRITE is posted in chunks of at most this many bytes / regions, one chunk per loop
@@ -55,18 +76,25 @@ class PushConfig:
     def validate(self) -> "PushConfig":
         for name in (
             "heartbeat_interval_s", "rendezvous_ttl_s", "transfer_timeout_s",
-            "handshake_timeout_s", "idle_poll_s",
+            "handshake_timeout_s", "idle_poll_s", "cancel_retry_s", "fence_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_side_channel_connections < 1:
+            raise ConfigError("max_side_channel_connections must be at least 1, got "
+                              f"{self.max_side_channel_connections!r}")
+        if self.fence_timeout_s <= self.cancel_retry_s:
+            raise ConfigError(f"fence_timeout_s ({self.fence_timeout_s}) must exceed "
+                              f"cancel_retry_s ({self.cancel_retry_s})")
         if self.max_post_bytes <= 0 or self.max_post_regions <= 0:
             raise ConfigError("max_post_bytes and max_post_regions must be positive")
         if not 0 <= self.side_channel_port < 65536:
             raise ConfigError(f"side_channel_port {self.side_channel_port} is not a port")
-        if self.backend not in ("", "host", "cuda", "neuron"):
-            raise ConfigError(f"backend must be host, cuda or neuron, got {self.backend!r}")
-        if any(b not in ("UCX", "LIBFABRIC") for b in self.nixl_backends):
-            raise ConfigError(f"nixl_backends must be UCX and/or LIBFABRIC, got {self.nixl_backends}")
+        if self.backend not in ("", *BACKENDS):
+            raise ConfigError(f"backend must be one of {sorted(BACKENDS)}, got {self.backend!r}")
+        if any(b not in NIXL_BACKENDS for b in self.nixl_backends):
+            raise ConfigError(
+                f"nixl_backends must be from {NIXL_BACKENDS}, got {self.nixl_backends}")
         return self
 
     @classmethod
@@ -77,19 +105,29 @@ class PushConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, raw in (extra or {}).items():
+            if key == "secret":
+                raise ConfigError(
+                    "kv_connector_extra_config must not carry 'secret': vLLM prints that dict in "
+                    "its start-up log ('non-default args'), so the key would end up in logs. Set "
+                    f"{SECRET_ENV} in the environment, or 'secret_file' (a path) to a file "
+                    "holding the key, on every producer, decoder and router")
             if key not in fields:
                 raise ConfigError(
                     f"unknown kv_connector_extra_config key {key!r}; known: {sorted(fields)}"
                 )
             values[key] = _coerce(key, fields[key], raw)
         for key, var in (
-            ("secret", "KV_PUSH_SECRET"),
             ("side_channel_host", "KV_PUSH_SIDE_CHANNEL_HOST"),
             ("side_channel_port", "KV_PUSH_SIDE_CHANNEL_PORT"),
             ("backend", "KV_PUSH_BACKEND"),
         ):
             if env.get(var):
                 values[key] = _coerce(var, fields[key], env[var])
+        try:
+            values["secret"] = load_secret(env, values.get("secret_file", ""))
+        except SecretError as e:
+            raise ConfigError(f"secret ({SECRET_ENV} / {SECRET_FILE_ENV} / secret_file): "
+                              f"{e}") from None
         return cls(**values).validate()
 
 

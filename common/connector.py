@@ -30,6 +30,7 @@ from . import vllm_compat as compat
 from .config import PushConfig
 from .connector_scheduler import PushScheduler, StepPlan
 from .connector_stats import KVPushPromMetrics, KVPushStats
+from .metrics import Counters
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
                                             is_decoder=self.kv_role in ("decoder", "both"),
-                                            block_size=block_size)
+                                            block_size=block_size, counters=Counters(),
+                                            secret=self.push_config.secret)
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 
@@ -113,9 +115,13 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         return set() if compat.HAS_FAILED_RECVING else errors
 
     def get_kv_connector_stats(self):
-        if self._worker is None:  # the scheduler half has no transfer thread
-            return None
-        data = self._worker.stats()
+        """This half's counters since the last call (then reset). vLLM calls it on the worker
+        half (the transfer thread's counters travel to the scheduler with the step's output)
+        and on the scheduler half (``PushScheduler``'s own counters), and sums the two."""
+        if self._worker is not None:
+            data = self._worker.stats()
+        else:
+            data = self._scheduler.counters.snapshot(reset=True)
         return KVPushStats(data=data) if data else None
 
     def shutdown(self) -> None:

@@ -14,46 +14,70 @@ It runs in vLLM's scheduler (engine-core) process and never touches NIXL. Each s
   A request aborted while waiting stages a cancel; vLLM keeps its blocks until the workers report
   it in ``finished_recving``, which they do only once no producer can still write into them.
   A full local prefix hit (nothing to receive) still tells the producer, so it frees its blocks.
-  A request that ends before it was ever staged tells the producer to let go (a release-only
-  registration), unless this scheduler already told a producer about that transfer id: vLLM's
-  API server submits a pre-aborted copy of a request's ``kv_transfer_params`` when its handler
-  fails or is cancelled (``notify_kv_transfer_request_rejected``, vLLM 0.29 and 0.32) -- also
-  when the request itself did reach the engine, e.g. a client that hung up mid-request. A second
-  registration of the same transfer id then displaced the live request's want on the decoder,
-  whose ``CancelAck`` was dropped as stale: its blocks stayed fenced for good.
 
-The request-level parameters come from the router (see ``TransferParams``).
+Identity: vLLM splits a client request with a prompt list or ``n > 1`` into several engine
+requests that share ``kv_transfer_params``. Both halves therefore name a request's prompt by
+``prompt_digest`` (a digest of its token ids, the same on P and D) and the decoder registers
+under its own engine request id, so each decoder request gets the KV of its own prompt.
+
+The request-level parameters come from the router (see ``TransferParams``). With a secret they
+count only when the router signed them (``auth.verify_transfer_params``): otherwise the request
+is served without KV transfer (a decoder prefills locally, a producer frees its blocks as usual),
+counted as ``rejected{<reason>}`` and logged once per request -- a decoder never dials a host a
+client chose, a producer never holds blocks a client asked it to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections import OrderedDict
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
+
+from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
+from .metrics import Counters
 
 logger = logging.getLogger(__name__)
 
 #: Prefix of decoder keys whose outcome no vLLM request waits for (release-only registrations).
 RELEASE_KEY_PREFIX = "release:"
-#: how long (and how many) transfer ids the decoder scheduler remembers having told a producer
-#: about; far longer than any producer keeps a transfer (its rendezvous time-out)
-TOLD_TTL_S = 3600.0
-TOLD_MAX = 1 << 16
+
+
+#: the most decoder requests one prefill may serve (``fanout``)
+MAX_FANOUT = 1024
 
 
 class TransferParamsError(ValueError):
-    pass
+    """``reason``: the metrics label (``bad_transfer_params``, or a signature problem:
+    ``unsigned_transfer_params``, ``bad_transfer_params_signature``,
+    ``expired_transfer_params``)."""
+
+    def __init__(self, message: str, reason: str = "bad_transfer_params"):
+        super().__init__(message)
+        self.reason = reason
+
+
+def prompt_digest(token_ids: Any) -> str:
+    """A short digest of a prompt's token ids: what P and D both know one prompt by. ``""``
+    when the request has no token ids (prompt embeddings): such prompts of one transfer then
+    pool together."""
+    if token_ids is None:
+        return ""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
 class TransferParams:
     """What the router puts in a request's ``kv_transfer_params``.
 
-    Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``.
+    Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``, optionally with
+    ``"fanout": n``: each prefill of this leg serves ``n`` decoder requests of the same prompt
+    (the router sends P one sample while D samples ``n``; default 1).
     Decoder leg:  ``{"transfer_id": tid, "do_remote_prefill": true, "remote_host": h,
     "remote_port": p}`` where ``h:p`` is the producer's handshake side channel (rank 0).
+    With a secret, both also carry the router's signature under ``kv_push_sig``.
     """
 
     transfer_id: str
@@ -61,10 +85,13 @@ class TransferParams:
     do_remote_prefill: bool = False
     remote_host: str = ""
     remote_port: int = 0
+    fanout: int = 1
 
     @classmethod
-    def parse(cls, raw: Any) -> "TransferParams | None":
-        """None when the request is not ours; TransferParamsError when it is but is malformed."""
+    def parse(cls, raw: Any, secret: bytes = b"", now: float | None = None
+              ) -> "TransferParams | None":
+        """None when the request is not ours; TransferParamsError when it is but is malformed
+        or (with ``secret``) not validly signed by the router at ``now`` (default: the time)."""
         if not isinstance(raw, dict) or "transfer_id" not in raw:
             return None
         tid = raw.get("transfer_id")
@@ -83,7 +110,23 @@ class TransferParams:
                 raise TransferParamsError(f"remote_port must be a port, got {port!r}") from None
             if not 0 < port < 65536:
                 raise TransferParamsError(f"remote_port must be a port, got {port!r}")
-        return cls(tid, decode, prefill, host or "", int(port or 0))
+        fanout = raw.get("fanout", 1)
+        if isinstance(fanout, bool) or not isinstance(fanout, int) or not (
+                1 <= fanout <= MAX_FANOUT):
+            raise TransferParamsError(f"fanout must be an integer in [1, {MAX_FANOUT}], "
+                                      f"got {fanout!r}")
+        params = cls(tid, decode, prefill, host or "", int(port or 0), fanout)
+        if secret:
+            # the signature covers what makes a server dial or hold blocks (not ``fanout``)
+            try:
+                verify_transfer_params(
+                    raw.get(SIG_KEY), secret, transfer_id=params.transfer_id,
+                    do_remote_decode=decode, do_remote_prefill=prefill,
+                    remote_host=params.remote_host, remote_port=params.remote_port,
+                    now=time.time() if now is None else now)
+            except ParamsSignatureError as e:
+                raise TransferParamsError(str(e), reason=e.reason) from None
+        return params
 
 
 @dataclass(frozen=True)
@@ -92,6 +135,18 @@ class PrefillReady:
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    prompt_digest: str = ""
+    capacity: int = 1  # decoder requests it serves (the P leg's fanout)
+
+
+@dataclass(frozen=True)
+class PrefillAborted:
+    """A producer request that ended without a usable prefill."""
+
+    req_id: str
+    transfer_id: str
+    prompt_digest: str = ""
+    capacity: int = 1
 
 
 @dataclass(frozen=True)
@@ -104,6 +159,7 @@ class Expect:
     block_ids: tuple[int, ...]
     first_token: int
     num_tokens: int
+    prompt_digest: str = ""
 
 
 @dataclass
@@ -111,84 +167,88 @@ class StepPlan:
     """The per-step payload; the connector wraps it in vLLM's metadata class."""
 
     prefills: list[PrefillReady] = field(default_factory=list)
-    prefill_aborts: list[str] = field(default_factory=list)
+    prefill_aborts: list[PrefillAborted] = field(default_factory=list)
     expects: list[Expect] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    #: decoder requests vLLM no longer waits for (re-scheduled to compute locally): fence and
+    #: release their blocks, but report nothing
+    abandons: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels)
+        return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels
+                    or self.abandons)
 
 
 @dataclass
 class _Waiting:
     params: TransferParams
     local_tokens: int = 0
-    staged: bool = False  # an Expect went out for the current attempt
-    attempt: int = -1
+    staged: bool = False  # an Expect went out for the current allocation
+    attempt: int = -1  # the newest attempt staged (-1: none yet)
 
 
 class PushScheduler:
-    """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM."""
+    """Pure bookkeeping over duck-typed vLLM requests; unit-testable without vLLM.
+
+    ``counters``: where it counts what it rejects (``rejected{bad_transfer_params}``); a fresh
+    ``Counters`` when not given. The connector hands their snapshot to vLLM's stats each step.
+    """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
-                 counters=None, clock: Callable[[], float] = time.monotonic):
+                 counters: Counters | None = None, secret: bytes = b"",
+                 clock: Callable[[], float] = time.time):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
-        self.counters = counters
+        self.counters = counters if counters is not None else Counters()
+        self._secret = secret
+        self._clock = clock
+        # request id -> its params as judged at the first look (a signature's expiry is checked
+        # once, when the request arrives, not again after it queued or was preempted)
+        self._verdicts: dict[str, TransferParams | None] = {}
         self._plan = StepPlan()
         self._waiting: dict[str, _Waiting] = {}  # decoder requests we claimed tokens for
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
         self._held: set[str] = set()  # producer requests whose blocks we keep
-        self._clock = clock
-        # decoder: transfer id -> when an Expect (real or release) for it went out
-        self._told: OrderedDict[str, float] = OrderedDict()
-
-    def _tell(self, expect: "Expect") -> None:
-        self._plan.expects.append(expect)
-        self._told[expect.transfer_id] = self._clock()
-        self._told.move_to_end(expect.transfer_id)
-        while len(self._told) > TOLD_MAX:
-            self._told.popitem(last=False)
-
-    def _told_before(self, transfer_id: str) -> bool:
-        now = self._clock()
-        while self._told and now - next(iter(self._told.values())) > TOLD_TTL_S:
-            self._told.popitem(last=False)
-        return transfer_id in self._told
-
-    def _release(self, rid: str, p: TransferParams, attempt: int, first: int) -> None:
-        """Let the producer free its prefill for ``p`` (nothing will be received for it), once
-        per transfer id (see the module docstring)."""
-        if self._told_before(p.transfer_id):
-            logger.debug("kv_push: request %s ended unseen; transfer %s was already handled "
-                         "(vLLM's rejection notice, or a request sharing it): no release",
-                         rid, p.transfer_id)
-            return
-        self._tell(Expect(RELEASE_KEY_PREFIX + rid, p.transfer_id, attempt, p.remote_host,
-                          p.remote_port, (), first, first))
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
+        rid = request.request_id
+        if rid in self._verdicts:
+            return self._verdicts[rid]
         try:
-            return TransferParams.parse(getattr(request, "kv_transfer_params", None))
+            params = TransferParams.parse(getattr(request, "kv_transfer_params", None),
+                                          self._secret, self._clock())
         except TransferParamsError as e:
-            logger.warning("kv_push: request %s has bad kv_transfer_params (%s); "
-                           "serving it without KV transfer", request.request_id, e)
-            if self.counters is not None:
-                self.counters.inc("rejected", label="bad_transfer_params")
-            return None
+            logger.warning("kv_push: request %s: kv_transfer_params refused (%s: %s); serving it "
+                           "without KV transfer", rid, e.reason, e)
+            self.counters.inc("rejected", label=e.reason)
+            params = None
+        self._verdicts[rid] = params
+        return params
 
     # -- decoder ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._params(request)  # the verdict is taken here, at the first look
         if not self.is_decoder:
             return 0, False
-        params = self._params(request)
         if params is None or not params.do_remote_prefill or request.request_id in self._received:
             return 0, False
         prompt = len(request.prompt_token_ids or ())
         count = prompt - num_computed_tokens
         w = self._waiting.setdefault(request.request_id, _Waiting(params))
+        if w.staged:
+            # Asked again while an attempt is out: vLLM dropped that allocation (preemption,
+            # reset). The decoder keeps the old blocks fenced; the next allocation is the next
+            # attempt under the same request id, and the request hears one outcome.
+            w.staged = False
+            if count <= 0:
+                # nothing left to receive: stop waiting for the old attempt, whose outcome no
+                # longer concerns vLLM (the request now runs on its local prefix)
+                self._plan.abandons.append(request.request_id)
+                self._waiting.pop(request.request_id, None)
+                self._received.add(request.request_id)
+                return 0, False
         w.local_tokens = num_computed_tokens
         if count <= 0:
             return 0, False
@@ -203,9 +263,12 @@ class PushScheduler:
         p = w.params
         w.staged = True
         w.attempt += 1
+        digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if num_external_tokens <= 0:
             # nothing to receive (full local hit): let the producer free its blocks now
-            self._release(request.request_id, p, w.attempt, w.local_tokens)
+            self._plan.expects.append(Expect(
+                RELEASE_KEY_PREFIX + request.request_id, p.transfer_id, w.attempt, p.remote_host,
+                p.remote_port, (), w.local_tokens, w.local_tokens, digest))
             self._waiting.pop(request.request_id, None)
             self._received.add(request.request_id)
             return
@@ -215,9 +278,9 @@ class PushScheduler:
             raise RuntimeError(
                 f"kv_push: request {request.request_id}: {len(block_ids)} new blocks from token "
                 f"{first} cannot hold {num_external_tokens} tokens (block size {self.block_size})")
-        self._tell(Expect(
+        self._plan.expects.append(Expect(
             request.request_id, p.transfer_id, w.attempt, p.remote_host, p.remote_port,
-            tuple(block_ids[:need]), first, first + num_external_tokens))
+            tuple(block_ids[:need]), first, first + num_external_tokens, digest))
 
     def on_recv_finished(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
@@ -227,6 +290,13 @@ class PushScheduler:
     # -- both ------------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int], finished_ok: bool
                          ) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            return self._request_finished(request, block_ids, finished_ok)
+        finally:
+            self._verdicts.pop(request.request_id, None)
+
+    def _request_finished(self, request, block_ids: list[int], finished_ok: bool
+                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         was_received = rid in self._received
         self._received.discard(rid)
@@ -239,21 +309,27 @@ class PushScheduler:
                 w = _Waiting(params)
         if w is not None:
             # a decoder request that ends before its KV arrived
-            if w.staged:
+            if w.attempt >= 0:
                 self._plan.cancels.append(rid)  # vLLM holds the blocks until we report it
-            else:  # never allocated: still let the producer free its blocks
-                self._release(rid, w.params, 0, 0)
+            else:
+                p = w.params  # never allocated: still let the producer free its blocks
+                self._plan.expects.append(Expect(
+                    RELEASE_KEY_PREFIX + rid, p.transfer_id, 0, p.remote_host, p.remote_port,
+                    (), 0, 0, prompt_digest(getattr(request, "prompt_token_ids", None))))
             return False, None
         if not self.is_producer:
             return False, None
         params = self._params(request)
         if params is None or not params.do_remote_decode:
             return False, None
+        digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if not finished_ok or not block_ids:
-            self._plan.prefill_aborts.append(params.transfer_id)
+            self._plan.prefill_aborts.append(
+                PrefillAborted(rid, params.transfer_id, digest, params.fanout))
             return False, None
         self._plan.prefills.append(PrefillReady(rid, params.transfer_id, tuple(block_ids),
-                                                int(request.num_computed_tokens)))
+                                                int(request.num_computed_tokens), digest,
+                                                params.fanout))
         self._held.add(rid)
         return True, {"transfer_id": params.transfer_id}
 

@@ -1,9 +1,12 @@
 """Connector statistics through vLLM's connector-stats path, into vLLM's Prometheus /metrics.
 
-Each worker's transfer thread keeps ``Counters``; every step the worker hands vLLM a snapshot
-(and resets), vLLM aggregates across workers and steps (``KVPushStats.aggregate``) and calls
-``KVPushPromMetrics.observe``, which adds the deltas to counters named
-``vllm:kv_push_<counter>_total`` (labelled counters keep their label as ``reason``).
+Each worker's transfer thread keeps ``Counters``, and so does the scheduler half
+(``PushScheduler``: what it rejects before any worker sees a request). Every step vLLM asks both
+halves for ``get_kv_connector_stats`` (a snapshot, then reset): the workers' ride to the
+scheduler process with the step's output, vLLM adds the scheduler half's to them
+(``KVPushStats.aggregate``), and the API server calls ``KVPushPromMetrics.observe``, which adds
+the deltas to counters named ``vllm:kv_push_<counter>_total`` (labelled counters keep their label
+as ``reason``).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .backend import describe_kv_caches, select_backend
+from .backend import select_backend
 from .config import PushConfig
 from .connector_scheduler import RELEASE_KEY_PREFIX, StepPlan
+from .kv_tensors import describe_kv_caches
 from .metrics import Counters, LogLimiter
 from .worker import PushWorker
 
@@ -44,6 +45,8 @@ class PushConnectorWorker:
         self.worker: PushWorker | None = None
         self._blocks: dict[str, tuple[int, ...]] = {}  # decoder key -> its block ids
         self._load_errors: set[int] = set()
+        self._abandoned: set[str] = set()  # decoder keys whose outcome vLLM no longer expects
+        self._attempts: dict[str, int] = {}  # decoder key -> the attempt vLLM waits for
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors, seen = [], set()
@@ -74,16 +77,23 @@ class PushConnectorWorker:
         if w is None or not plan:
             return
         for p in plan.prefills:
-            w.prefill_done(p.req_id, p.transfer_id, p.block_ids, p.num_tokens)
-        for tid in plan.prefill_aborts:
-            w.prefill_failed(tid, "prefill request ended without output")
+            w.prefill_done(p.req_id, p.transfer_id, p.block_ids, p.num_tokens,
+                           prompt_digest=p.prompt_digest, capacity=p.capacity)
+        for a in plan.prefill_aborts:
+            w.prefill_failed(a.transfer_id, "prefill request ended without output",
+                             prompt_digest=a.prompt_digest, capacity=a.capacity)
         for e in plan.expects:
             if not e.key.startswith(RELEASE_KEY_PREFIX):
                 self._blocks[e.key] = e.block_ids
+                self._attempts[e.key] = e.attempt
+                self._abandoned.discard(e.key)
             w.expect(e.key, e.transfer_id, e.attempt, (e.host, e.port), e.block_ids,
-                     e.first_token, e.num_tokens)
+                     e.first_token, e.num_tokens, prompt_digest=e.prompt_digest)
         for key in plan.cancels:
             w.cancel(key, "request finished before its KV arrived")
+        for key in plan.abandons:
+            self._abandoned.add(key)
+            w.cancel(key, "request re-scheduled to compute locally")
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving); failed ids are also in recving."""
@@ -96,6 +106,13 @@ class PushConnectorWorker:
         if w.decoder:
             for o in w.drain_outcomes():
                 if o.key.startswith(RELEASE_KEY_PREFIX):
+                    continue
+                if o.attempt < self._attempts.get(o.key, o.attempt):
+                    continue  # a superseded attempt's: vLLM waits for the newer one's
+                self._attempts.pop(o.key, None)
+                if o.key in self._abandoned:
+                    self._abandoned.discard(o.key)
+                    self._blocks.pop(o.key, None)
                     continue
                 blocks = self._blocks.pop(o.key, ())
                 if o.kind == "failed":

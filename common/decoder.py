@@ -5,19 +5,46 @@ engine hands it ``expect`` (a request whose prompt KV a producer will push into 
 ``cancel`` (the request is gone). Results leave through ``outcomes``, a thread-safe queue of
 ``Outcome`` the engine drains:
 
-* ``received`` -- every producer rank that writes to this rank has reported ``WriteDone``;
-* ``failed``   -- the transfer cannot complete (handshake failed, a producer reported failure or
-  died, time-out); emitted only once no producer WRITE can still land in the blocks;
-* ``released`` -- after ``cancel``: the blocks may be freed or reused; emitted only once every
-  producer that was told about them confirmed the cancel (``CancelAck``) or was declared dead.
+* ``received`` -- every producer rank that writes to this rank has delivered every chunk's
+  ``WriteDone``;
+* ``failed``   -- the transfer cannot complete (handshake failed, a producer reported failure,
+  went silent or died, time-out); emitted only once no producer WRITE can still land in the
+  blocks;
+* ``released`` -- after ``cancel``: the blocks may be freed or reused; emitted only once the
+  same holds.
 
-Exactly one outcome per ``expect``: a ``cancel`` that arrives after the outcome went out does
-nothing.
+Exactly one outcome per engine key and attempt, whatever arrives twice or late: every path to an
+outcome goes through ``_finish``, which acts once. A ``cancel`` after the outcome does nothing.
+An attempt superseded before its outcome has none; one superseded after (the engine re-allocated
+while the outcome was on its way) had one, which the engine drops as stale (``Outcome.attempt``
+is older than the attempt it waits for) -- either way the newest attempt has exactly one.
+
+Identity: a want is the engine's key (its request id); on the wire it is ``reg_id`` (the same
+id) and ``attempt``, so two engine requests that share a transfer id (a prompt list, ``n > 1``)
+never see each other's notices. The registration carries the prompt's digest: the producer
+pairs it with a prefill of the same prompt. ``expect`` again for a key with a higher attempt (the
+engine re-allocated) supersedes the old want: the old one stays fenced, without an outcome of its
+own, and the key's outcome waits until it is.
 
 Who registers where: decoder rank 0 registers with every producer rank (so producer ranks that
 write nothing to anyone still learn the decoder's TP and can release their blocks); other ranks
-register with the producer ranks that write to them (``writer_ranks``). A rank expects one
-``WriteDone`` per writer rank.
+register with the producer ranks that write to them (``writer_ranks``).
+
+The fence. A want that ends early (cancel, failure, time-out) sends ``Cancel`` to every producer
+rank that may still write, re-sends it with back-off (``cancel_retry_s``, doubling up to 8x),
+and keeps the blocks until each such rank is *quiet*: it answered (``CancelAck`` or
+``TransferFailed``) and the ``chunks_done`` notices it announced have arrived (a local DONE on
+the producer does not prove remote delivery), or it delivered every chunk, or it is dead. Dead
+means proven: its side-channel lifeline closed, it said goodbye, or -- after ``fence_timeout_s``
+without an answer -- this decoder gave up on it: it closes the lifeline itself (so a live
+producer drops us and posts nothing more) and drops the producer another ``fence_timeout_s``
+later, once WRITEs posted before the producer noticed can no longer land. Heartbeat silence
+alone fails the transfers that wait for that producer but keeps their blocks fenced
+(``on_peer_silent``).
+
+The bound rests on timing assumptions (checked by ``tests/test_protocol_model.py``): a
+notification arrives, a stalled producer resumes and a posted WRITE lands (or fails) well within
+``fence_timeout_s``; a producer stalled longer than that may write into blocks already freed.
 
 Handshakes run on a small thread pool (or the ``executor`` given) with a time-out, so a producer
 that hangs delays only the requests that need it; their results come back through
@@ -26,6 +53,7 @@ that hangs delays only the requests that need it; their results come back throug
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -58,12 +86,16 @@ Address = tuple[str, int]
 #: key prefix of internal release-only notices (a cancel that came before the handshake ended)
 RELEASE_NOTICE = "\x00release:"
 
+#: the longest wait between two copies of an unanswered Cancel, in units of cancel_retry_s
+MAX_BACKOFF = 8
+
 
 @dataclass(frozen=True)
 class Outcome:
     key: str
     kind: str  # "received" | "failed" | "released"
     reason: str = ""
+    attempt: int = 0  # the attempt it is the outcome of (see ``expect``)
 
 
 @dataclass
@@ -79,9 +111,33 @@ class _Remote:
 
 
 @dataclass
+class _Told:
+    """One producer rank a want's registration went to, and what it owes."""
+
+    agent: str
+    writes: bool  # it writes into these blocks
+    seen: set[int] = field(default_factory=set)  # WriteDone chunk numbers
+    chunks: int = 0  # chunks of its WRITE, from its notices (0: none seen yet)
+    due: int | None = None  # it answered: this many chunks completed (notices due)
+    dead: bool = False
+
+    @property
+    def arrived(self) -> bool:
+        return self.writes and self.chunks > 0 and len(self.seen) >= self.chunks
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing of it can land in the blocks any more."""
+        return (not self.writes or self.dead or self.arrived
+                or (self.due is not None and len(self.seen) >= self.due))
+
+
+@dataclass
 class _Want:
-    key: str
+    key: str  # the engine's key
+    reg_id: str  # on the wire
     transfer_id: str
+    prompt_digest: str
     attempt: int
     address: Address
     block_ids: tuple[int, ...]
@@ -89,15 +145,15 @@ class _Want:
     num_tokens: int
     deadline: float
     started: float
-    state: str = "connecting"  # connecting | registered | fencing
-    sent: dict[int, str] = field(default_factory=dict)  # producer rank -> agent name told
-    expected: set[int] = field(default_factory=set)  # producer ranks that write to us
-    resolved: set[int] = field(default_factory=set)  # ranks that can no longer write
-    arrived: set[int] = field(default_factory=set)
-    chunks_seen: dict[int, set[int]] = field(default_factory=dict)  # rank -> WriteDone chunks
+    state: str = "connecting"  # connecting | registered | fencing | done
+    told: dict[int, _Told] = field(default_factory=dict)  # producer rank -> what it owes
     outcome: str = ""
     reason: str = ""
-    silent: bool = False  # a release-only notice: no outcome goes to the engine
+    emits: bool = True  # False: no outcome goes to the engine (release notice, superseded)
+    superseded: bool = False
+    fence_deadline: float = 0.0
+    next_cancel: float = 0.0
+    backoff: float = 0.0
 
 
 class Decoder:
@@ -111,8 +167,11 @@ class Decoder:
         self.ctx = ctx
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.remotes: dict[Address, _Remote] = {}
-        self.wants: dict[str, _Want] = {}  # key -> want
-        self.by_tid: dict[str, str] = {}  # transfer id -> key
+        self.wants: dict[str, _Want] = {}  # engine key -> its current want
+        self.by_reg: dict[tuple[str, int], _Want] = {}  # (reg_id, attempt) -> every want not done
+        self.superseded: dict[str, int] = {}  # engine key -> older attempts still fencing
+        # outcomes (with their attempt) waiting for older attempts' fences
+        self.parked: dict[str, tuple[int, Outcome]] = {}
         self._pool = executor or ThreadPoolExecutor(max_handshakes,
                                                     thread_name_prefix="kv-push-handshake")
         self._handshake = handshake_fn
@@ -121,6 +180,16 @@ class Decoder:
         # a refused pair fails every request for it: say so once per pair and reason, not
         # once per request
         self._log = LogLimiter(logger)
+        # lifelines: one token per handshake, so a lifeline that closes before its welcome is
+        # handled, or an old lifeline of a reconnected producer, is told apart
+        self._tokens = itertools.count()
+        self._handshaking: set[int] = set()
+        self._closed_early: set[int] = set()
+        self._lifeline: dict[str, int] = {}  # producer agent -> token of its current lifeline
+        self._severs: dict[str, Callable[[], None]] = {}  # producer agent -> close its lifeline
+        # producer agents we gave up on -> when they count as dead (their lifeline is closed,
+        # but WRITEs they posted before they noticed may still land until then)
+        self._giving_up: dict[str, float] = {}
 
     def _my_hello(self) -> Hello:
         if self._hello is None:
@@ -132,22 +201,35 @@ class Decoder:
 
     # -- engine events -------------------------------------------------------------------------
     def expect(self, key: str, transfer_id: str, attempt: int, address: Address,
-               block_ids: tuple[int, ...], first_token: int, num_tokens: int) -> None:
+               block_ids: tuple[int, ...], first_token: int, num_tokens: int, *,
+               prompt_digest: str = "") -> None:
         old = self.wants.get(key)
+        newest = old.attempt if old is not None else (
+            self.parked[key][0] if key in self.parked else -1)
+        if attempt <= newest:
+            self.ctx.counters.reject("stale", f"expect {key} attempt {attempt}: attempt "
+                                     f"{newest} is current", context="expect")
+            return
+        self.parked.pop(key, None)  # the engine re-allocated before hearing the outcome
         if old is not None:
-            self._fence(old, "released", "superseded by a new attempt")
+            # the old blocks stay fenced; the key's outcome is the new attempt's
+            del self.wants[key]
+            old.emits, old.superseded = False, True
+            self.superseded[key] = self.superseded.get(key, 0) + 1
+            self._fence(old, "released", f"superseded by attempt {attempt}")
         now = self.ctx.clock()
-        want = _Want(key, transfer_id, attempt, (address[0], int(address[1])), tuple(block_ids),
-                     first_token, num_tokens, now + self.ctx.config.transfer_timeout_s, now)
+        want = _Want(key, key, transfer_id, prompt_digest, attempt,
+                     (address[0], int(address[1])), tuple(block_ids), first_token, num_tokens,
+                     now + self.ctx.config.transfer_timeout_s, now)
         self.wants[key] = want
-        self.by_tid[transfer_id] = key
+        self.by_reg[(want.reg_id, attempt)] = want
         self._advance(want)
 
     def cancel(self, key: str, reason: str = "aborted") -> None:
         want = self.wants.get(key)
         if want is None:
-            # Its outcome already went out (expect and cancel reach this thread in order), and
-            # the engine must hear about a request exactly once.
+            # Its outcome already went out or waits for an older attempt's fence (expect and
+            # cancel reach this thread in order), and the engine hears of a request once.
             return
         self.ctx.counters.inc("cancels")
         self._fence(want, "released", reason)
@@ -163,27 +245,35 @@ class Decoder:
             self._connect(remote, 0, want.address[1])
             return
         g = self.ctx.geometry
-        writers = writer_ranks(g.num_kv_heads, remote.tp_size, g.tp_size, g.tp_rank)
-        needed = set(range(remote.tp_size)) if g.tp_rank == 0 else set(writers)
+        writers = set(writer_ranks(g.num_kv_heads, remote.tp_size, g.tp_size, g.tp_rank))
+        needed = set(range(remote.tp_size)) if g.tp_rank == 0 else writers
         missing = needed - set(remote.rank_peers)
         if missing:
             for rank in missing:
                 self._connect(remote, rank, remote.ports[rank])
             return
-        want.expected = set(writers) if want.num_tokens > want.first_token else set()
+        for rank in sorted(needed):
+            peer = self.ctx.peer(remote.rank_peers[rank])
+            if peer is not None and peer.silent and rank in writers:
+                # nothing advertised yet: fail now rather than register blocks with a producer
+                # that may be frozen
+                self._fail(want, f"producer rank {rank} is unresponsive")
+                return
+        if want.num_tokens <= want.first_token:
+            writers = set()  # nothing to receive: a registration only so the producer lets go
+        want.state = "registered"  # from the first registration on, blocks may be written
         for rank in sorted(needed):
             peer = remote.rank_peers[rank]
-            reg = Register(transfer_id=want.transfer_id, attempt=want.attempt,
+            reg = Register(transfer_id=want.transfer_id, reg_id=want.reg_id,
+                           prompt_digest=want.prompt_digest, attempt=want.attempt,
                            engine_id=self.ctx.engine_id, tp_rank=g.tp_rank,
                            block_ids=want.block_ids, first_token=want.first_token,
                            num_tokens=want.num_tokens, geometry_digest=self.digest)
             if not self.ctx.send(peer, reg):
-                self._fail(want, f"could not notify producer rank {rank}")
+                self._fail(want, f"could not notify producer rank {rank}")  # fences those told
                 return
-            want.sent[rank] = peer
+            want.told[rank] = _Told(peer, writes=rank in writers)
             self.ctx.counters.inc("registrations_sent")
-        want.resolved |= set(want.sent) - want.expected  # non-writers never write to us
-        want.state = "registered"
         self._check(want)
 
     def _connect(self, remote: _Remote, rank: int, port: int) -> None:
@@ -194,27 +284,44 @@ class Decoder:
         host = remote.address[0]
         timeout = self.ctx.config.handshake_timeout_s
         codec = self.ctx.codec
+        token = next(self._tokens)
+        self._handshaking.add(token)
+
+        def on_closed(welcome: Welcome) -> None:  # on the lifeline's thread
+            self.ctx.submit(lambda: self._on_lifeline_closed(token, welcome.agent_name))
 
         def job() -> None:
+            severs: list[Callable[[], None]] = []
             try:
                 welcome = self._handshake(host, port, hello, codec, timeout,
-                                          on_closed=self._lifeline_closed)
+                                          on_closed=on_closed, on_open=severs.append)
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
                 refused = e.reason if isinstance(e, HandshakeRefused) else None
-                self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, refused))
+                self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token,
+                                                                  refused))
                 return
-            self.ctx.submit(lambda: self._on_welcome(remote, rank, welcome))
+            sever = severs[0] if severs else None
+            self.ctx.submit(lambda: self._on_welcome(remote, rank, welcome, token, sever))
 
         self._pool.submit(job)
 
-    def _lifeline_closed(self, welcome: Welcome) -> None:
-        """(lifeline thread) The producer's side channel closed: it is gone."""
-        self.ctx.peer_lost(welcome.agent_name, "producer closed its side channel")
+    def _on_lifeline_closed(self, token: int, agent: str) -> None:
+        """The producer's side channel closed: it is gone (or we closed it, giving up)."""
+        if token in self._handshaking:
+            self._closed_early.add(token)  # before its welcome was handled: refused there
+        elif self._lifeline.get(agent) == token:
+            self.ctx.peer_lost(agent, "producer closed its side channel")
 
-    def _on_welcome(self, remote: _Remote, rank: int, welcome: Welcome) -> None:
+    def _on_welcome(self, remote: _Remote, rank: int, welcome: Welcome, token: int,
+                    sever: Callable[[], None] | None) -> None:
+        self._handshaking.discard(token)
         remote.connecting.discard(rank)
         try:
+            if token in self._closed_early:
+                self._closed_early.discard(token)
+                raise MessageRejected("lifeline_closed", f"producer {welcome.engine_id} closed "
+                                      "its side channel right after the handshake")
             if welcome.compat_hash != COMPAT_HASH:
                 raise MessageRejected("incompatible", f"producer {welcome.engine_id} speaks "
                                       f"{welcome.compat_hash}, we speak {COMPAT_HASH}")
@@ -234,13 +341,18 @@ class Decoder:
             peer = self.ctx.add_peer(welcome.agent_metadata, engine_id=welcome.engine_id,
                                      tp_rank=rank, geometry=welcome.geometry,
                                      digest=geometry_digest(welcome.geometry),
-                                     address=remote.address)
+                                     address=remote.address, agent_name=welcome.agent_name)
         except MessageRejected as e:
+            if sever is not None:
+                sever()  # we will not use it: do not keep the connection open
             self.ctx.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
             refused = str(e) if e.reason in ("incompatible", "bad_layout") else None
-            self._on_handshake_failed(remote, rank, str(e), refused)
+            self._on_handshake_failed(remote, rank, str(e), refused=refused)
             return
         self.ctx.counters.inc("handshakes")
+        self._lifeline[peer.agent_name] = token
+        if sever is not None:
+            self._severs[peer.agent_name] = sever
         remote.engine_id = welcome.engine_id
         remote.rank_peers[rank] = peer.agent_name
         if rank == 0:
@@ -249,14 +361,17 @@ class Decoder:
             if len(ports) != remote.tp_size:
                 ports = tuple(remote.address[1] + r for r in range(remote.tp_size))
             remote.ports = ports
-        for want in list(self.wants.values()):
+        for want in list(self.by_reg.values()):
             if want.address == remote.address:
                 self._advance(want)
 
     def _on_handshake_failed(self, remote: _Remote, rank: int, reason: str,
-                             refused: str | None = None) -> None:
+                             token: int | None = None, refused: str | None = None) -> None:
         """``refused``: the incompatibility, when one side refused the other (counted in
         ``handshake_refusals`` labelled with the producer's address, which the router reads)."""
+        if token is not None:
+            self._handshaking.discard(token)
+            self._closed_early.discard(token)
         remote.connecting.discard(rank)
         self.ctx.counters.inc("handshake_failures")
         host, port = remote.address
@@ -273,45 +388,43 @@ class Decoder:
                            host, rank_port, rank, reason)
         if rank == 0 and remote.tp_size is None:
             self.remotes.pop(remote.address, None)  # retry from scratch next time
-        for want in list(self.wants.values()):
+        for want in list(self.by_reg.values()):
             if want.address == remote.address and want.state == "connecting":
                 self._fail(want, f"handshake with producer rank {rank} failed: {reason}")
 
     # -- messages ------------------------------------------------------------------------------
-    def _want_for(self, peer: Peer, msg) -> _Want | None:
-        key = self.by_tid.get(msg.transfer_id)
-        want = self.wants.get(key) if key is not None else None
-        if want is None or want.attempt != msg.attempt:
+    def _want_for(self, peer: Peer, msg) -> tuple[_Want, _Told] | None:
+        want = self.by_reg.get((msg.reg_id, msg.attempt))
+        if want is None or want.transfer_id != msg.transfer_id:
             self.ctx.counters.inc("stale", label=type(msg).__name__)
             return None
-        if want.sent.get(msg.tp_rank) != peer.agent_name or msg.engine_id != peer.engine_id:
+        told = want.told.get(msg.tp_rank)
+        if told is None or told.agent != peer.agent_name or msg.engine_id != peer.engine_id:
             raise MessageRejected("spoofed", f"{type(msg).__name__} for {msg.transfer_id} from "
                                   f"{peer.engine_id} rank {peer.tp_rank}, not a producer we told")
-        return want
+        return want, told
 
     def on_message(self, peer: Peer, msg) -> None:
-        want = self._want_for(peer, msg)
-        if want is None:
+        found = self._want_for(peer, msg)
+        if found is None:
             return
-        rank = msg.tp_rank
+        want, told = found
         if isinstance(msg, WriteDone):
-            if rank not in want.expected:
-                raise MessageRejected("unexpected", f"WriteDone from non-writer rank {rank}")
-            seen = want.chunks_seen.setdefault(rank, set())
-            seen.add(msg.chunk)
-            if len(seen) == msg.chunks:
-                want.arrived.add(rank)
-                want.resolved.add(rank)
-        elif isinstance(msg, CancelAck):
-            want.resolved.add(rank)
-        elif isinstance(msg, TransferFailed):
-            want.resolved.add(rank)
-            if want.state == "registered":
-                self._fail(want, f"producer rank {rank}: {msg.reason}")
+            if not told.writes:
+                raise MessageRejected("unexpected", f"WriteDone from non-writer rank {msg.tp_rank}")
+            told.seen.add(msg.chunk)
+            told.chunks = msg.chunks
+        else:  # CancelAck or TransferFailed: it writes nothing more; chunks_done may be on the way
+            told.due = max(told.due or 0, msg.chunks_done)
+            if want.state == "registered" and told.writes and not told.arrived:
+                why = msg.reason if isinstance(msg, TransferFailed) else "cancelled"
+                self._fail(want, f"producer rank {msg.tp_rank}: {why}")
         self._check(want)
 
     # -- state changes -------------------------------------------------------------------------
     def _fail(self, want: _Want, reason: str) -> None:
+        if want.state in ("fencing", "done"):
+            return
         self.ctx.counters.inc("transfers_failed")
         self._log.warn(f"fail {reason}", "kv_push: transfer %s (%s) failed: %s",
                        want.transfer_id, want.key, reason)
@@ -319,6 +432,8 @@ class Decoder:
 
     def _fence(self, want: _Want, outcome: str, reason: str) -> None:
         """No producer may write into ``want``'s blocks any more; emit ``outcome`` once safe."""
+        if want.state == "done":
+            return
         if want.state == "fencing":
             if outcome == "released":
                 want.outcome = outcome  # the engine let go: a pending failure no longer matters
@@ -330,46 +445,118 @@ class Decoder:
             # wanted (a registration with no blocks) so it frees them without waiting for its
             # rendezvous time-out.
             self._finish(want, outcome, reason)
-            if not want.silent and outcome == "released":
-                notice = _Want(RELEASE_NOTICE + want.key, want.transfer_id, want.attempt,
-                               want.address, (), want.first_token, want.first_token,
-                               want.deadline, want.started, silent=True)
-                self.wants[notice.key] = notice
-                self.by_tid[notice.transfer_id] = notice.key
+            if want.emits and outcome == "released":
+                notice = _Want(RELEASE_NOTICE + want.key, want.reg_id, want.transfer_id,
+                               want.prompt_digest, want.attempt, want.address, (),
+                               want.first_token, want.first_token, want.deadline, want.started,
+                               emits=False)
+                self.by_reg[(notice.reg_id, notice.attempt)] = notice
                 self._advance(notice)
             return
         want.state = "fencing"
-        for rank in sorted(want.expected - want.resolved):
-            peer = want.sent.get(rank)
-            if peer is None or self.ctx.peer(peer) is None:
-                want.resolved.add(rank)
-                continue
-            self.ctx.send(peer, Cancel(transfer_id=want.transfer_id, attempt=want.attempt,
-                                       engine_id=self.ctx.engine_id,
-                                       tp_rank=self.ctx.geometry.tp_rank, reason=reason))
+        now = self.ctx.clock()
+        want.fence_deadline = now + self.ctx.config.fence_timeout_s
+        want.backoff = self.ctx.config.cancel_retry_s
+        want.next_cancel = now + want.backoff
+        self._send_cancels(want)
         self._check(want)
 
+    def _send_cancels(self, want: _Want) -> None:
+        for rank, told in sorted(want.told.items()):
+            if told.quiet or told.due is not None:
+                continue  # nothing can come from it, or it answered and notices are on the way
+            if self.ctx.peer(told.agent) is None:
+                told.dead = True  # dropped: proven gone
+                continue
+            self.ctx.send(told.agent, Cancel(
+                transfer_id=want.transfer_id, reg_id=want.reg_id,
+                prompt_digest=want.prompt_digest, attempt=want.attempt,
+                engine_id=self.ctx.engine_id, tp_rank=self.ctx.geometry.tp_rank,
+                reason=want.reason))
+
     def _check(self, want: _Want) -> None:
-        if want.state == "registered" and want.expected <= want.arrived:
-            self.ctx.counters.inc("transfers_done")
-            self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - want.started)
-            self._finish(want, "received", "")
-        elif want.state == "fencing" and want.expected <= want.resolved:
-            self._finish(want, want.outcome, want.reason)
+        if want.state == "registered":
+            writers = [t for t in want.told.values() if t.writes]
+            if all(t.arrived for t in writers):
+                if writers and want.emits:  # a release-only registration transfers nothing
+                    self.ctx.counters.inc("transfers_done")
+                    self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - want.started)
+                self._finish(want, "received", "")
+        elif want.state == "fencing":
+            if all(t.quiet for t in want.told.values()):
+                self._finish(want, want.outcome, want.reason)
 
     def _finish(self, want: _Want, kind: str, reason: str) -> None:
-        self.wants.pop(want.key, None)
-        if self.by_tid.get(want.transfer_id) == want.key:
-            del self.by_tid[want.transfer_id]
-        if not want.silent:
-            self.outcomes.put(Outcome(want.key, kind, reason))
+        """The one way a want ends: acts once, however often it is reached."""
+        if want.state == "done":
+            return
+        want.state = "done"
+        if self.by_reg.get((want.reg_id, want.attempt)) is want:
+            del self.by_reg[(want.reg_id, want.attempt)]
+        if want.superseded:
+            left = self.superseded[want.key] - 1
+            if left:
+                self.superseded[want.key] = left
+            else:
+                del self.superseded[want.key]
+                if want.key in self.parked and want.key not in self.wants:
+                    self.outcomes.put(self.parked.pop(want.key)[1])
+            return
+        if self.wants.get(want.key) is want:
+            del self.wants[want.key]
+        if not want.emits:
+            return
+        out = Outcome(want.key, kind, reason, want.attempt)
+        if self.superseded.get(want.key):
+            self.parked[want.key] = (want.attempt, out)  # older attempts' blocks may be written
+        else:
+            self.outcomes.put(out)
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        for want in list(self.wants.values()):
-            if want.state != "fencing" and now > want.deadline:
-                self.ctx.counters.inc("expired")
-                self._fail(want, f"no KV within {self.ctx.config.transfer_timeout_s:.0f}s")
+        for agent, when in list(self._giving_up.items()):
+            if now >= when:
+                del self._giving_up[agent]
+                self.ctx.peer_lost(agent, "did not answer a cancel in time")
+        for want in list(self.by_reg.values()):
+            if want.state in ("connecting", "registered"):
+                if now > want.deadline:
+                    self.ctx.counters.inc("expired")
+                    self._fail(want, f"no KV within {self.ctx.config.transfer_timeout_s:.0f}s")
+            elif want.state == "fencing":
+                if now >= want.fence_deadline:
+                    self._give_up(want)
+                    want.fence_deadline = float("inf")  # once
+                elif now >= want.next_cancel:
+                    self.ctx.counters.inc("cancels_resent")
+                    self._send_cancels(want)
+                    want.backoff = min(2 * want.backoff,
+                                       MAX_BACKOFF * self.ctx.config.cancel_retry_s)
+                    want.next_cancel = now + want.backoff
+
+    def _give_up(self, want: _Want) -> None:
+        """The fence outlived ``fence_timeout_s``: every producer that still owes an answer is
+        treated as dead. Its lifeline is closed now -- a live producer then drops us and posts
+        nothing more -- but it is dropped (and the blocks it was told about freed) only another
+        ``fence_timeout_s`` later: WRITEs it posted before it noticed may land until then. An
+        answer that comes meanwhile still ends a fence the usual way."""
+        now = self.ctx.clock()
+        for told in want.told.values():
+            if told.quiet or told.agent in self._giving_up:
+                continue
+            if self.ctx.peer(told.agent) is None:
+                told.dead = True
+                continue
+            self._giving_up[told.agent] = now + self.ctx.config.fence_timeout_s
+            self.ctx.counters.inc("fence_timeouts")
+            logger.error("kv_push: producer %s did not answer the cancel of %s (%s) within %.0fs:"
+                         " closing its lifeline; dropping it once its WRITEs can no longer land",
+                         told.agent, want.key, want.transfer_id, self.ctx.config.fence_timeout_s)
+            self._lifeline.pop(told.agent, None)  # its closing is ours, not proof of its death
+            sever = self._severs.pop(told.agent, None)
+            if sever is not None:
+                sever()
+        self._check(want)
 
     def busy(self) -> bool:
         # Waiting for WriteDone needs NIXL progress on this side, but polling every
@@ -378,19 +565,35 @@ class Decoder:
         # latency.
         return False
 
-    def on_peer_dead(self, peer: Peer) -> None:
-        for remote in list(self.remotes.values()):
-            for rank, name in list(remote.rank_peers.items()):
-                if name == peer.agent_name:
-                    del remote.rank_peers[rank]
-            if not remote.rank_peers:
-                self.remotes.pop(remote.address, None)
-        for want in list(self.wants.values()):
-            dead = {r for r, name in want.sent.items() if name == peer.agent_name}
-            if not dead:
+    def on_peer_silent(self, peer: Peer) -> None:
+        """A producer stopped heartbeating: fail what waits for its WRITE, but keep the blocks
+        fenced -- it may be frozen with a WRITE in flight."""
+        for want in list(self.by_reg.values()):
+            if want.state != "registered":
                 continue
-            want.resolved |= dead
-            if want.state == "registered" and dead & (want.expected - want.arrived):
+            for rank, told in want.told.items():
+                if told.agent == peer.agent_name and told.writes and not told.arrived:
+                    self._fail(want, f"producer {peer.engine_id} rank {rank} is unresponsive")
+                    break
+
+    def on_peer_dead(self, peer: Peer) -> None:
+        name = peer.agent_name
+        self._lifeline.pop(name, None)
+        self._severs.pop(name, None)
+        self._giving_up.pop(name, None)
+        for remote in list(self.remotes.values()):
+            for rank, agent in list(remote.rank_peers.items()):
+                if agent == name:
+                    del remote.rank_peers[rank]
+            if not remote.rank_peers and not remote.connecting:
+                self.remotes.pop(remote.address, None)
+        for want in list(self.by_reg.values()):
+            hit = [t for t in want.told.values() if t.agent == name]
+            if not hit:
+                continue
+            for told in hit:
+                told.dead = True
+            if want.state == "registered" and any(t.writes and not t.arrived for t in hit):
                 self._fail(want, f"producer {peer.engine_id} rank {peer.tp_rank} is dead")
             else:
                 self._check(want)
@@ -399,4 +602,4 @@ class Decoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def live(self) -> dict[str, int]:
-        return {"wants": len(self.wants)}
+        return {"wants": len(self.by_reg), "parked": len(self.parked)}

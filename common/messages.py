@@ -2,8 +2,16 @@
 
 Every control message travels as a NIXL notification (the completion notice rides the WRITE it
 completes); the handshake travels over the side channel. All are msgspec structs in one tagged
-union, framed by ``Envelope`` which carries the protocol version and, when a shared secret is
-configured, an HMAC-SHA256 of the body.
+union, framed by ``Envelope`` which carries the protocol version, a sequence number and, when a
+shared secret is configured, an HMAC-SHA256.
+
+Authentication (with a secret): the MAC covers the version, the ``Route`` (sender and receiver
+agent names; empty for side-channel frames, so a frame of one kind never verifies as the other),
+the sequence number and the body. ``auth.NotificationChannel`` numbers each (sender, receiver)
+pair's notifications and rejects replays; the handshake binds its frames with fresh nonces
+(``Challenge`` -> ``Hello.reply_to`` -> ``Welcome.reply_to``). A receiver without a secret
+refuses MAC'd frames (``secret_mismatch``): a secret set on one side only is a configuration
+error, never silently ignored.
 
 Decoding never raises anything but ``MessageRejected``: bad bytes, a wrong version, a missing or
 wrong MAC and an unknown tag all become a typed rejection with a ``reason`` label that metrics
@@ -13,7 +21,16 @@ Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` chan
   1 -- Hello/Welcome/Refused handshake, Register, WriteDone, Cancel, CancelAck, TransferFailed,
        Heartbeat, Goodbye.
   2 -- Hello and Welcome carry the sender's NIXL version (``nixl_version``); a peer on a NIXL
-       release that cannot be paired with ours is refused at the handshake (``nixl_compat``).
+       release that cannot be paired with ours is refused at the handshake (``nixl_compat``);
+       handshake opens with the producer's ``Challenge``; Hello and Welcome carry nonces
+       (``nonce``, ``reply_to``); ``Envelope`` carries a sequence number; the MAC binds sender,
+       receiver and sequence; a receiver without a secret refuses MAC'd frames;
+       transfer identity per engine request: ``Register`` carries ``reg_id`` (the decoder's engine
+       request id; attempts of one request share it) and ``prompt_digest`` (the rendezvous key is
+       transfer id + digest); ``WriteDone``, ``Cancel``, ``CancelAck`` and ``TransferFailed``
+       carry ``reg_id``; ``CancelAck`` and ``TransferFailed`` carry ``chunks_done``, the number of
+       WRITE chunks of that attempt whose ``WriteDone`` the decoder must still see before it may
+       release the blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from typing import Union
+from typing import NamedTuple, Union
 
 import msgspec
 
@@ -29,9 +46,21 @@ from .geometry import KVGeometry
 
 PROTOCOL_VERSION = 2
 
+#: longest ``reg_id`` / ``prompt_digest`` accepted on the wire
+MAX_ID_CHARS = 256
+
+class Challenge(msgspec.Struct, tag="challenge", frozen=True, kw_only=True):
+    """P worker -> D worker (side channel, first frame): a fresh nonce the Hello must answer."""
+
+    nonce: bytes
+
 
 class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
-    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives."""
+    """D worker -> P worker (side channel): who I am, how to reach me, where my KV lives.
+
+    ``agent_name`` must be the name NIXL reports for ``agent_metadata`` (checked on load).
+    ``reply_to`` is the producer's ``Challenge.nonce`` on this connection; ``nonce`` is fresh
+    and comes back in ``Welcome.reply_to`` (the side channel fills both)."""
 
     engine_id: str
     agent_name: str
@@ -39,6 +68,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     geometry: KVGeometry
     compat_hash: str
     nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
+    nonce: bytes = b""
+    reply_to: bytes = b""
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
@@ -51,6 +82,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     compat_hash: str
     side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
     nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
+    reply_to: bytes = b""  # the Hello's nonce (filled by the side channel)
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
@@ -62,12 +94,20 @@ class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
 class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
     """D -> P: write the prompt's KV for ``transfer_id`` into these blocks of mine.
 
+    One client request may become several engine requests that share ``transfer_id`` (a prompt
+    list, ``n > 1``): the producer pairs a registration with a prefill of the same
+    ``(transfer_id, prompt_digest)`` (a digest of the prompt's token ids), and ``reg_id`` (the
+    decoder's engine request id, unique per decoder engine) tells that request's registrations
+    apart; a re-issued request keeps its ``reg_id`` and raises ``attempt``.
+
     ``block_ids[j]`` holds tokens ``first_token + j * block_size`` onward (D's block size);
     tokens below ``first_token`` D already has (its own prefix cache). ``geometry_digest`` names
     the geometry D sent in its Hello, so a registration can never be mapped with a stale layout.
     """
 
     transfer_id: str
+    reg_id: str
+    prompt_digest: str
     attempt: int
     engine_id: str
     tp_rank: int
@@ -84,6 +124,7 @@ class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     rank once it has seen all ``chunks`` notices."""
 
     transfer_id: str
+    reg_id: str
     attempt: int
     engine_id: str
     tp_rank: int
@@ -93,9 +134,15 @@ class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
-    """D -> P: do not write into this registration's blocks (D aborted or no longer needs them)."""
+    """D -> P: do not write into this registration's blocks (D aborted or no longer needs them).
+
+    The decoder re-sends it (with back-off) until acknowledged; the producer answers every copy.
+    ``prompt_digest`` lets a producer that never saw the registration (lost, or still on its
+    way) account for the request all the same."""
 
     transfer_id: str
+    reg_id: str
+    prompt_digest: str
     attempt: int
     engine_id: str
     tp_rank: int
@@ -103,22 +150,33 @@ class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
 
 
 class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True, kw_only=True):
-    """P -> D: no WRITE into that registration is in flight or will ever be issued."""
+    """P -> D: no WRITE into that registration is in flight or will ever be issued.
+
+    ``chunks_done`` WRITE chunks of that attempt completed before: their ``WriteDone`` notices
+    may still be on their way (a local DONE does not prove remote delivery on every transport),
+    so the decoder keeps the blocks until it has seen that many."""
 
     transfer_id: str
+    reg_id: str
     attempt: int
     engine_id: str
     tp_rank: int
+    chunks_done: int = 0
 
 
 class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
-    """P -> D: the transfer cannot complete (WRITE not posted or failed, bad registration)."""
+    """P -> D: the transfer cannot complete (WRITE not posted or failed, bad registration).
+
+    Sent only once no WRITE chunk of that attempt is in flight; ``chunks_done`` as in
+    ``CancelAck``."""
 
     transfer_id: str
+    reg_id: str
     attempt: int
     engine_id: str
     tp_rank: int
     reason: str
+    chunks_done: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):
@@ -135,7 +193,8 @@ class Goodbye(msgspec.Struct, tag="bye", frozen=True, kw_only=True):
 
 
 Message = Union[
-    Hello, Welcome, Refused, Register, WriteDone, Cancel, CancelAck, TransferFailed, Heartbeat, Goodbye
+    Challenge, Hello, Welcome, Refused, Register, WriteDone, Cancel, CancelAck, TransferFailed,
+    Heartbeat, Goodbye
 ]
 
 
@@ -143,6 +202,18 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     version: int
     body: bytes
     mac: bytes = b""
+    seq: int = 0  # per (sender, receiver) on NIXL notifications; 0 on side-channel frames
+
+
+class Route(NamedTuple):
+    """Who sends a NIXL notification to whom (agent names), bound into its MAC."""
+
+    sender: str
+    receiver: str
+
+
+#: side-channel frames: no agent names yet (a notification's route never has empty names)
+NO_ROUTE = Route("", "")
 
 
 class MessageRejected(ValueError):
@@ -183,7 +254,11 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 
 class Codec:
-    """Encodes and decodes framed messages; with ``secret`` every frame is authenticated."""
+    """Encodes and decodes framed messages; with ``secret`` every frame is authenticated.
+
+    ``route`` and ``seq`` are bound into the MAC: a frame verifies only with the route and
+    sequence number it was encoded with (side-channel frames use ``NO_ROUTE`` and 0). Replay
+    checks on the sequence number are ``auth.NotificationChannel``'s job."""
 
     def __init__(self, secret: bytes | None = None):
         self._secret = secret or None
@@ -192,16 +267,24 @@ class Codec:
     def authenticated(self) -> bool:
         return self._secret is not None
 
-    def _mac(self, body: bytes) -> bytes:
+    def __repr__(self) -> str:  # never the key
+        return f"Codec(authenticated={self.authenticated})"
+
+    def _mac(self, version: int, route: Route, seq: int, body: bytes) -> bytes:
         assert self._secret is not None
-        return hmac.new(self._secret, body, hashlib.sha256).digest()
+        head = _body_encoder.encode((version, route.sender, route.receiver, seq))
+        return hmac.new(self._secret, head + body, hashlib.sha256).digest()
 
-    def encode(self, msg: Message) -> bytes:
+    def encode(self, msg: Message, route: Route = NO_ROUTE, seq: int = 0) -> bytes:
         body = _body_encoder.encode(msg)
-        mac = self._mac(body) if self._secret else b""
-        return _body_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac))
+        mac = self._mac(PROTOCOL_VERSION, route, seq, body) if self._secret else b""
+        return _body_encoder.encode(Envelope(PROTOCOL_VERSION, body, mac, seq))
 
-    def decode(self, data: bytes) -> Message:
+    def decode(self, data: bytes, route: Route = NO_ROUTE) -> Message:
+        return self.decode_seq(data, route)[0]
+
+    def decode_seq(self, data: bytes, route: Route = NO_ROUTE) -> tuple[Message, int]:
+        """The message and its envelope's sequence number (authenticated with a secret)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise MessageRejected("malformed", f"not bytes: {type(data).__name__}")
         if len(data) > MAX_MESSAGE_BYTES:
@@ -216,29 +299,50 @@ class Codec:
             )
         if self._secret is not None:
             if not env.mac:
-                raise MessageRejected("unauthenticated", "message carries no MAC")
-            if not hmac.compare_digest(env.mac, self._mac(env.body)):
-                raise MessageRejected("bad_mac", "MAC does not match")
+                raise MessageRejected("unauthenticated", "message carries no MAC (the peer has "
+                                      "no shared secret; set KV_PUSH_SECRET on both sides)")
+            if not hmac.compare_digest(env.mac, self._mac(env.version, route, env.seq, env.body)):
+                raise MessageRejected("bad_mac", "MAC does not match (another secret, or a "
+                                      "frame replayed from another sender or receiver)")
+        elif env.mac:
+            raise MessageRejected("secret_mismatch", "the peer authenticates its messages with "
+                                  "a shared secret and none is configured here; set "
+                                  "KV_PUSH_SECRET on both sides or neither")
         try:
             msg = _body_decoder.decode(env.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise MessageRejected("malformed", str(e)) from None
         _check_sane(msg)
-        return msg
+        return msg, env.seq
+
+
+#: bytes of every handshake nonce
+NONCE_BYTES = 16
 
 
 def _check_sane(msg: Message) -> None:
     """Semantic checks that types alone cannot express."""
+    if isinstance(msg, Challenge):
+        if len(msg.nonce) != NONCE_BYTES:
+            raise MessageRejected("invalid", f"challenge nonce of {len(msg.nonce)} bytes")
+    if isinstance(msg, (Register, WriteDone, Cancel, CancelAck, TransferFailed)):
+        if not msg.transfer_id or not msg.reg_id:
+            raise MessageRejected("invalid", f"{type(msg).__name__}: empty transfer or reg id")
+        if len(msg.reg_id) > MAX_ID_CHARS or msg.attempt < 0:
+            raise MessageRejected("invalid", f"{type(msg).__name__}: reg id or attempt")
+    if isinstance(msg, (Register, Cancel)) and len(msg.prompt_digest) > MAX_ID_CHARS:
+        raise MessageRejected("invalid", "prompt digest too long")
     if isinstance(msg, Register):
-        if msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token:
+        if msg.first_token < 0 or msg.num_tokens < msg.first_token:
             raise MessageRejected("invalid", f"registration token range {msg!r}")
         if any(b < 0 for b in msg.block_ids):
             raise MessageRejected("invalid", "negative block id")
-        if not msg.transfer_id:
-            raise MessageRejected("invalid", "empty transfer id")
     elif isinstance(msg, WriteDone):
         if msg.chunks < 1 or not 0 <= msg.chunk < msg.chunks or msg.num_bytes < 0:
             raise MessageRejected("invalid", f"write notice chunk {msg.chunk} of {msg.chunks}")
+    elif isinstance(msg, (CancelAck, TransferFailed)):
+        if msg.chunks_done < 0:
+            raise MessageRejected("invalid", f"negative chunks_done {msg.chunks_done}")
     elif isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()

@@ -1,9 +1,10 @@
-"""Counters the transfer thread keeps, readable from any thread.
+"""Counters kv-push keeps (the transfer thread's, and the connector's scheduler half's),
+readable from any thread.
 
-Workers run in vLLM's worker processes, so their figures leave through vLLM's connector-stats
-path (``snapshot(reset=True)`` per step) and are turned into Prometheus metrics on the API
-server; standalone users (demo, benchmarks, tests) read ``snapshot()`` directly or call
-``export_prometheus``. Names are stable: they are documented in the README.
+In vLLM both halves' figures leave through vLLM's connector-stats path (``snapshot(reset=True)``
+per step, see ``connector_stats``) and become Prometheus metrics ``vllm:kv_push_<name>_total``
+on the API server; standalone users (demo, benchmarks, tests) read ``get`` or ``snapshot()``
+directly. Names are stable: they are documented in the README.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ COUNTERS = {
     "registrations_late": "registrations that arrived after the prefill finished",
     "registrations_sent": "registrations sent by this decoder",
     "cancels": "cancels sent (decoder) or honoured (producer)",
+    "cancels_resent": "unanswered cancels sent again (decoder)",
+    "fence_timeouts": "producers given up on after fence_timeout_s without answering a cancel",
     "expired": "rendezvous entries or transfers dropped after their time-out",
     "stale": "events for a superseded attempt, dropped",
-    "rejected": "messages rejected (malformed, unauthenticated, unknown peer, bad layout)",
-    "peers_dead": "peers declared dead (silent too long)",
+    "rejected": "messages rejected (malformed, unauthenticated, replayed, unknown peer, bad "
+                "layout), side-channel connections over the cap, unsigned kv_transfer_params",
+    "peers_dead": "peers proven dead (lifeline closed) or given up on",
+    "peers_silent": "peers found silent for 1.5 heartbeat intervals (unresponsive, not dead)",
     "handshakes": "handshakes completed",
     "handshake_failures": "handshakes that failed or timed out",
     "head_sliced_plans": "plans that had to cut head slices out of token-major blocks",

@@ -1,31 +1,39 @@
 """Producer (prefill) role of the transfer thread: registrations meet prefills, WRITEs go out.
 
 Runs only on the transfer thread, which it sees through a ``RoleContext`` (``self.ctx``). The
-engine hands it finished prefills with ``prefill_done`` (through ``TransferThread.submit``);
-decoders' ``Register`` and ``Cancel`` arrive as notifications. When a registration and its
-prefill meet (``Rendezvous``) the producer maps the blocks (``plan_writes``) and posts one WRITE
-per decoder rank, carrying the ``WriteDone`` notice.
+engine hands it finished prefills with ``prefill_done`` (and failed ones with
+``prefill_failed``) through ``TransferThread.submit``; decoders' ``Register`` and ``Cancel``
+arrive as notifications. Registrations and prefills meet in the ``Rendezvous`` by (transfer id,
+prompt digest), one decoder engine request (``reg_id``) per claim; each pairing is mapped
+(``plan_writes``) and posted as a WRITE in bounded chunks, each carrying its ``WriteDone``.
 
 Source blocks (the prefill's blocks on this worker) are released -- reported through
-``on_released(key)`` so the engine frees them -- once every decoder rank this worker writes to
-is resolved (written, failed, cancelled, or its decoder is dead) and nothing reads them, or when
-no registration came within the rendezvous time-out.
+``on_released(key)`` so the engine frees them -- once the rendezvous says the source is done
+(every decoder request it serves is resolved, or its time-out passed) and no WRITE reads them.
 
 Safety rules:
-* a ``Cancel`` is acknowledged only when no WRITE for that registration is in flight (an
-  in-flight one is acknowledged when NIXL reports it finished), so the decoder can keep the
-  blocks fenced until then;
-* a WRITE that cannot be posted or fails is reported to the decoder at once (``TransferFailed``);
-* a registration for a transfer this worker already released is answered with
-  ``TransferFailed`` at once, not left to the decoder's time-out.
+* every answer about one attempt of one registration (``CancelAck``, ``TransferFailed``) is
+  sent only once no WRITE chunk of that attempt is in flight, and says how many chunks completed
+  (``chunks_done``): their notices may still be on the wire, and the decoder waits for them;
+* a ``Cancel`` is answered every time it comes (the decoder re-sends it until answered); the
+  answer for an attempt already finished is remembered for ``rendezvous_ttl_s``, and a
+  ``Register`` older than (or as old as) an attempt already answered is stale -- so a
+  registration that arrives after its own cancel is never written;
+* a WRITE that cannot be posted, fails, or whose post raised is reported as failed, never as
+  done;
+* a decoder that falls silent (no heartbeat) is not proven dead: no more chunks are posted to it
+  and its registrations are failed, but WRITEs in flight are polled to the end before their
+  source is released. A decoder proven dead (lifeline closed, goodbye) is forgotten at once and
+  its source blocks may go (nothing alive reads what lands there); WRITE handles still in flight
+  are kept until they finish or the transport is closed (NIXL refuses to release them).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -44,10 +52,22 @@ from .messages import (
     geometry_digest,
 )
 from .nixl_compat import check_peer_nixl
-from .rendezvous import Pairing, Registration, Rendezvous, Source, StaleEvent
+from .rendezvous import (
+    ConflictEvent,
+    Pairing,
+    RdvKey,
+    Registration,
+    Rendezvous,
+    RequestKey,
+    Source,
+    StaleEvent,
+)
 from .transfer_thread import Peer, RoleContext
 
 logger = logging.getLogger(__name__)
+
+#: one attempt of one decoder rank of one decoder request
+JobKey = tuple[RequestKey, int, int]  # (request, decoder rank, attempt)
 
 
 def _chunk_bounds(lengths, max_bytes: int, max_regions: int) -> list[tuple[int, int]]:
@@ -67,28 +87,35 @@ def _chunk_bounds(lengths, max_bytes: int, max_regions: int) -> list[tuple[int, 
 
 @dataclass
 class _Job:
-    """One registration's WRITE, posted in bounded chunks, one chunk per loop step, so that the
-    transfer thread keeps heartbeating and serving other peers during a long copy (over UCX's
-    CPU path the whole copy happens inside the post). Each chunk carries its own ``WriteDone``
-    (``chunk`` i of ``chunks``); the decoder counts them all."""
+    """One registration attempt's WRITE, posted in bounded chunks, one chunk per loop step (at
+    its tick), so that the transfer thread keeps heartbeating and serving other peers during a
+    long copy (over UCX's CPU path the whole copy happens inside the post). Each chunk carries
+    its own ``WriteDone`` (``chunk`` i of ``chunks``); the decoder counts them all."""
 
     pairing: Pairing
-    peer: str
     started: float
     num_bytes: int
-    pending: list  # chunks not yet posted: (src descs, dst descs, notification)
+    pending: list  # chunks not yet posted: (src descs, dst descs, WriteDone)
     handles: list = field(default_factory=list)
-    ack_cancel: bool = False
+    stop: str = ""  # why no more chunks are posted: cancel, superseded, a failure, silence
+    ack_cancel: bool = False  # a Cancel waits for the chunks in flight
     error: str = ""
+
+    @property
+    def reg(self) -> Registration:
+        return self.pairing.registration
+
+    @property
+    def posting(self) -> bool:
+        return bool(self.pending) and not self.stop and not self.error
 
 
 @dataclass
-class _Transfer:
-    """What this worker owes one transfer id."""
+class _Answered:
+    """What this worker answered for the attempts of one decoder rank of one request."""
 
-    targets: set[int] | None = None  # decoder ranks this worker writes to (known at 1st reg.)
-    resolved: set[int] = field(default_factory=set)
-    decoder_engine: str | None = None
+    chunks_done: dict[int, int]  # attempt -> WRITE chunks that completed (notices due)
+    when: float
 
 
 class Producer:
@@ -100,10 +127,14 @@ class Producer:
         self.on_released = on_released
         self.side_channel_ports = side_channel_ports
         self.rdv = Rendezvous(ctx.config.rendezvous_ttl_s, clock=ctx.clock)
-        self.transfers: dict[str, _Transfer] = {}
         self.sources: dict[str, Source] = {}  # key -> source not yet released
-        self.jobs: dict[tuple[str, int, int], _Job] = {}  # (tid, d_rank, attempt)
-        self.tombstones: dict[str, float] = {}  # released transfer ids -> when
+        self.jobs: dict[JobKey, _Job] = {}
+        self.readers: dict[str, int] = {}  # source key -> jobs reading it
+        self.answered: dict[tuple[RequestKey, int], _Answered] = {}  # (request, d_rank)
+        self.tombstones: dict[RequestKey, float] = {}  # requests whose source is gone -> when
+        self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
+        self._failures = itertools.count()
+        self._next_sweep = 0.0  # time-outs are applied at most this often (not every step)
 
     # -- handshake (called on this thread by the side channel through TransferThread.call) ---
     def accept_hello(self, hello: Hello) -> Welcome:
@@ -120,7 +151,7 @@ class Producer:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                          digest=geometry_digest(hello.geometry))
+                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
         self.ctx.counters.inc("handshakes")
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                        agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
@@ -129,31 +160,32 @@ class Producer:
 
     # -- engine events -------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids: tuple[int, ...],
-                     num_tokens: int) -> None:
-        if transfer_id in self.tombstones:
-            # a re-issued prefill for a transfer already served: nothing will read it
-            self.ctx.counters.inc("stale", label="prefill_after_release")
-            self.on_released(key)
-            return
-        source = Source(key, transfer_id, tuple(block_ids), num_tokens)
+                     num_tokens: int, *, prompt_digest: str = "", capacity: int = 1) -> None:
+        """Engine request ``key`` finished the prefill of ``transfer_id``'s prompt (digest
+        ``prompt_digest``) into ``block_ids``; it may serve ``capacity`` decoder requests."""
+        source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
+                        max(1, int(capacity)))
         try:
-            pairings, displaced = self.rdv.add_source(source)
+            pairings = self.rdv.add_source(source)
         except StaleEvent as e:
             self.ctx.counters.reject("stale", str(e), context="prefill")
             return
         self.sources[key] = source
-        if displaced is not None:
-            self.ctx.counters.inc("stale", label="prefill_superseded")
-            self._maybe_release_source(displaced)
         for pairing in pairings:
             self._start(pairing)
-        self._maybe_finish(transfer_id)
+        self._settle(source.rdv_key)
 
-    def prefill_failed(self, transfer_id: str, reason: str) -> None:
-        """The prefill will never finish (aborted, errored): tell decoders now, not at time-out."""
-        for reg in self.rdv.registrations(transfer_id):
-            self._fail(reg.peer, transfer_id, reg.attempt, f"prefill failed: {reason}")
-        self._retire(transfer_id, self.rdv.source(transfer_id))
+    def prefill_failed(self, transfer_id: str, reason: str, *, prompt_digest: str = "",
+                       capacity: int = 1) -> None:
+        """A prefill of ``transfer_id``'s prompt will never finish (aborted, errored): the
+        decoder requests it would have served are told now, not at their time-out. It takes
+        their place in the rendezvous like a source; decoder requests already served by another
+        source of the same prompt are not affected."""
+        source = Source(f"\x00failed-{next(self._failures)}", transfer_id, (), 0, prompt_digest,
+                        max(1, int(capacity)), failure=reason or "aborted")
+        for pairing in self.rdv.add_source(source):
+            self._start(pairing)
+        self._settle(source.rdv_key)
 
     # -- messages ------------------------------------------------------------------------------
     def on_message(self, peer: Peer, msg) -> None:
@@ -162,105 +194,139 @@ class Producer:
         elif isinstance(msg, Cancel):
             self._on_cancel(peer, msg)
 
+    def _targets(self, peer: Peer) -> list[int]:
+        g = self.ctx.geometry
+        return target_ranks(g.num_kv_heads, g.tp_size, g.tp_rank, peer.geometry.tp_size)
+
     def _on_register(self, peer: Peer, msg: Register) -> None:
         if msg.engine_id != peer.engine_id or msg.tp_rank != peer.tp_rank:
             raise MessageRejected("spoofed", f"registration names {msg.engine_id}/{msg.tp_rank} "
                                   f"but came from {peer.engine_id}/{peer.tp_rank}")
+        reg = Registration(transfer_id=msg.transfer_id, attempt=msg.attempt,
+                           peer=peer.agent_name, engine_id=msg.engine_id, tp_rank=msg.tp_rank,
+                           block_ids=tuple(msg.block_ids), first_token=msg.first_token,
+                           num_tokens=msg.num_tokens, reg_id=msg.reg_id,
+                           prompt_digest=msg.prompt_digest)
+        seen = self.answered.get((reg.request, reg.tp_rank))
+        if seen is not None and reg.attempt <= max(seen.chunks_done):
+            # a copy, or a registration that arrives after its own cancel: never write it
+            self.ctx.counters.reject("stale", f"registration of {msg.reg_id} attempt "
+                                     f"{msg.attempt}: already answered", context="registration")
+            return
         if msg.geometry_digest != peer.geometry_digest:
-            self._fail(peer.agent_name, msg.transfer_id, msg.attempt, "layout changed since "
-                       "handshake; reconnect")
+            self._tell_failed(reg, "layout changed since handshake; reconnect", 0)
             raise MessageRejected("bad_layout", f"stale geometry digest from {peer.engine_id}")
-        if msg.transfer_id in self.tombstones:
-            self._fail(peer.agent_name, msg.transfer_id, msg.attempt,
-                       "the producer already released this transfer")
+        if reg.request in self.tombstones:
+            self._tell_failed(reg, "the producer already released this transfer", 0)
             self.ctx.counters.inc("stale", label="registration_after_release")
             return
-        reg = Registration(msg.transfer_id, msg.attempt, peer.agent_name, msg.engine_id,
-                           msg.tp_rank, tuple(msg.block_ids), msg.first_token, msg.num_tokens)
-        tr = self.transfers.setdefault(msg.transfer_id, _Transfer())
-        if tr.decoder_engine not in (None, msg.engine_id):
-            raise MessageRejected("conflict", f"{msg.transfer_id} registered by "
-                                  f"{tr.decoder_engine} and {msg.engine_id}")
-        tr.decoder_engine = msg.engine_id
-        if tr.targets is None:
-            g = self.ctx.geometry
-            tr.targets = set(target_ranks(g.num_kv_heads, g.tp_size, g.tp_rank,
-                                          peer.geometry.tp_size))
         try:
-            pairing, superseded = self.rdv.add_registration(reg)
+            pairings, superseded = self.rdv.add_registration(reg, self._targets(peer))
         except StaleEvent as e:
             self.ctx.counters.reject("stale", str(e), context="registration")
             return
+        except ConflictEvent as e:
+            raise MessageRejected("conflict", str(e)) from None
         if superseded is not None:
             self.ctx.counters.inc("stale", label="registration_superseded")
-        tr.resolved.discard(msg.tp_rank)
-        if pairing is None:
-            self.ctx.counters.inc("registrations_early")
-        else:
-            self.ctx.counters.inc("registrations_late")
+            old = self.jobs.get((reg.request, reg.tp_rank, superseded.attempt))
+            if old is not None and not old.stop:
+                old.stop = "superseded"  # the decoder fences the old blocks until we answer
+        self.ctx.counters.inc("registrations_late" if pairings else "registrations_early")
+        for pairing in pairings:
             self._start(pairing)
-        self._maybe_finish(msg.transfer_id)
+        self._settle(reg.rdv_key)
 
     def _on_cancel(self, peer: Peer, msg: Cancel) -> None:
         if msg.engine_id != peer.engine_id or msg.tp_rank != peer.tp_rank:
             raise MessageRejected("spoofed", f"cancel names {msg.engine_id}/{msg.tp_rank} "
                                   f"but came from {peer.engine_id}/{peer.tp_rank}")
         self.ctx.counters.inc("cancels")
-        try:
-            current = self.rdv.cancel(msg.transfer_id, msg.tp_rank, msg.attempt)
-        except StaleEvent:
-            current = None  # an older attempt: its job (if any) is still acked below
-        tr = self.transfers.get(msg.transfer_id)
-        if current is not None and tr is not None:
-            tr.resolved.add(msg.tp_rank)
-        job = self.jobs.get((msg.transfer_id, msg.tp_rank, msg.attempt))
+        request, rank, attempt = (msg.engine_id, msg.reg_id), msg.tp_rank, msg.attempt
+        rdv_key = (msg.transfer_id, msg.prompt_digest)
+        job = self.jobs.get((request, rank, attempt))
+        seen = self.answered.get((request, rank))
+        if job is None and seen is not None and attempt in seen.chunks_done:
+            self._ack(peer.agent_name, msg, seen.chunks_done[attempt])  # a re-sent cancel
+            return
+        if request not in self.tombstones:
+            try:
+                # drop the registration (or, if it never came, make sure it is never written)
+                self.rdv.cancel(request, rank, attempt, rdv_key=rdv_key, engine_id=msg.engine_id,
+                                targets=self._targets(peer))
+            except StaleEvent:
+                pass  # a newer attempt of that rank is registered and stays
+            except ConflictEvent as e:
+                self.ctx.counters.reject("conflict", str(e), context="cancel")
         if job is not None:
-            job.ack_cancel = True  # acknowledged when NIXL says the WRITE is finished
-        else:
-            self._ack(peer.agent_name, msg.transfer_id, msg.tp_rank, msg.attempt)
-        self._maybe_finish(msg.transfer_id)
+            job.ack_cancel = True  # answered when no chunk of it is in flight any more
+            job.stop = job.stop or "cancelled"
+            return
+        self._remember(request, rank, attempt, 0)
+        self._ack(peer.agent_name, msg, 0)
+        self._settle(rdv_key)
 
-    def _ack(self, peer: str, tid: str, d_rank: int, attempt: int) -> None:
-        self.ctx.send(peer, CancelAck(transfer_id=tid, attempt=attempt,
-                                      engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank))
+    def _ack(self, peer: str, about: Cancel | Registration, chunks_done: int) -> None:
+        reg_id = about.reg_id if isinstance(about, Cancel) else about.request[1]
+        self.ctx.send(peer, CancelAck(transfer_id=about.transfer_id, reg_id=reg_id,
+                                      attempt=about.attempt, engine_id=self.ctx.engine_id,
+                                      tp_rank=self.ctx.tp_rank, chunks_done=chunks_done))
 
-    def _fail(self, peer: str, tid: str, attempt: int, reason: str) -> None:
+    def _tell_failed(self, reg: Registration, reason: str, chunks_done: int) -> None:
+        """Tell the decoder rank that ``reg``'s attempt will not be (fully) written. Only once no
+        chunk of that attempt is in flight: the caller guarantees it."""
         self.ctx.counters.inc("transfers_failed")
-        logger.warning("kv_push: transfer %s attempt %d to %s failed: %s", tid, attempt, peer,
-                       reason)
-        self.ctx.send(peer, TransferFailed(transfer_id=tid, attempt=attempt,
-                                           engine_id=self.ctx.engine_id,
-                                           tp_rank=self.ctx.tp_rank, reason=reason))
+        logger.warning("kv_push: transfer %s (%s) attempt %d to %s failed: %s", reg.transfer_id,
+                       reg.request[1], reg.attempt, reg.peer, reason)
+        self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
+        self.ctx.send(reg.peer, TransferFailed(
+            transfer_id=reg.transfer_id, reg_id=reg.request[1], attempt=reg.attempt,
+            engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank, reason=reason,
+            chunks_done=chunks_done))
+
+    def _remember(self, request: RequestKey, rank: int, attempt: int, chunks_done: int) -> None:
+        seen = self.answered.setdefault((request, rank), _Answered({}, 0.0))
+        seen.chunks_done[attempt] = chunks_done
+        seen.when = self.ctx.clock()
+
+    def _resolve(self, reg: Registration) -> None:
+        """``reg``'s rank is resolved -- if ``reg`` is still that rank's newest attempt."""
+        claim = self.rdv.claim(reg.request)
+        current = claim.regs.get(reg.tp_rank) if claim is not None else None
+        if current is None or current.attempt == reg.attempt:
+            self.rdv.resolve(reg.request, reg.tp_rank)
 
     # -- transfers -----------------------------------------------------------------------------
     def _start(self, pairing: Pairing) -> None:
-        started = self.ctx.clock()
         src, reg = pairing.source, pairing.registration
         peer = self.ctx.peer(reg.peer)
-        tr = self.transfers.get(src.transfer_id)
-        if tr is None:
-            # Retired while an earlier pairing of the same prefill was started (its WRITE was
-            # DONE at the first poll and no target rank was left): this pairing is a decoder
-            # rank we do not write to. Re-creating the entry here would leak it.
+        if src.failure:
+            self._tell_failed(reg, f"prefill failed: {src.failure}", 0)
+            self._resolve(reg)
             return
         if peer is None:
-            tr.resolved.add(reg.tp_rank)
+            self._resolve(reg)
+            return
+        if reg.num_tokens <= reg.first_token:  # release only: nothing is wanted
+            self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
+            self._resolve(reg)
             return
         if reg.num_tokens > src.num_tokens:
-            self._fail(reg.peer, reg.transfer_id, reg.attempt,
-                       f"decoder wants {reg.num_tokens} tokens, prefill has {src.num_tokens}")
-            tr.resolved.add(reg.tp_rank)
+            self._tell_failed(reg, f"decoder wants {reg.num_tokens} tokens, prefill has "
+                              f"{src.num_tokens}", 0)
+            self._resolve(reg)
             return
         try:
             plan = plan_writes(self.ctx.geometry, src.block_ids, peer.geometry, reg.block_ids,
                                first_token=reg.first_token, num_tokens=reg.num_tokens)
         except GeometryError as e:
             self.ctx.counters.reject("bad_layout", str(e), context=f"plan for {reg.transfer_id}")
-            self._fail(reg.peer, reg.transfer_id, reg.attempt, f"cannot map blocks: {e}")
-            tr.resolved.add(reg.tp_rank)
+            self._tell_failed(reg, f"cannot map blocks: {e}", 0)
+            self._resolve(reg)
             return
-        if plan.num_regions == 0:
-            tr.resolved.add(reg.tp_rank)  # not a writer for that rank, or nothing left to write
+        if plan.num_regions == 0:  # not a writer for that rank, or nothing left to write
+            self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
+            self._resolve(reg)
             return
         if plan.head_sliced:
             self.ctx.counters.inc("head_sliced_plans")
@@ -270,129 +336,176 @@ class Producer:
                              self.ctx.config.max_post_regions)
         pending = []
         for i, (a, b) in enumerate(cuts):
-            notif = self.ctx.codec.encode(WriteDone(
-                transfer_id=reg.transfer_id, attempt=reg.attempt, engine_id=self.ctx.engine_id,
-                tp_rank=self.ctx.tp_rank, num_bytes=int(plan.length[a:b].sum()), chunk=i,
-                chunks=len(cuts)))
+            notif = WriteDone(
+                transfer_id=reg.transfer_id, reg_id=reg.request[1], attempt=reg.attempt,
+                engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank,
+                num_bytes=int(plan.length[a:b].sum()), chunk=i, chunks=len(cuts))
             pending.append((src_d[a:b], dst_d[a:b], notif))
         self.ctx.counters.inc("regions_written", plan.num_regions)
-        jkey = (reg.transfer_id, reg.tp_rank, reg.attempt)
-        self.jobs[jkey] = _Job(pairing, reg.peer, started, plan.total_bytes, pending)
-        self._poll_job(jkey)
+        jkey = (reg.request, reg.tp_rank, reg.attempt)
+        if jkey in self.jobs:  # cannot happen (the rendezvous drops repeated attempts): be sure
+            self.ctx.counters.reject("stale", f"{reg.request[1]} attempt {reg.attempt} is "
+                                     "already being written", context="pairing")
+            return
+        self.jobs[jkey] = _Job(pairing, self.ctx.clock(), plan.total_bytes, pending)
+        self.readers[src.key] = self.readers.get(src.key, 0) + 1
+        # the first chunk goes out at this loop step's tick: after the step's queued work and
+        # notifications, so a lifeline closed or a Cancel that waited (a stalled thread) is seen
+        # before anything is posted
 
-    def _poll_job(self, jkey: tuple[str, int, int]) -> None:
+    def _post(self, job: _Job) -> None:
+        src_d, dst_d, notice = job.pending.pop(0)
+        notif = self.ctx.seal(job.reg.peer, notice)  # numbered when posted (replay window)
+        g, peer = self.ctx.geometry, self.ctx.peer(job.reg.peer)
+        dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
+        try:
+            handle = self.ctx.write(job.reg.peer, src_d, dst_d, g.mem_type, dst_mem, notif)
+        except Exception as e:  # the seam must not raise; if it does, the chunk was not posted
+            logger.exception("kv_push: posting a WRITE to %s raised", job.reg.peer)
+            job.error = f"posting the WRITE raised {type(e).__name__}: {e}"
+            return
+        job.handles.append(handle)
+        self.ctx.counters.inc("writes_posted")
+
+    def _poll_job(self, jkey: JobKey) -> None:
         job = self.jobs[jkey]
-        if job.pending and not job.error and not job.ack_cancel:
-            src_d, dst_d, notif = job.pending.pop(0)
-            g, peer = self.ctx.geometry, self.ctx.peer(job.peer)
-            dst_mem = peer.geometry.mem_type if peer is not None else g.mem_type
-            job.handles.append(self.ctx.write(job.peer, src_d, dst_d, g.mem_type, dst_mem,
-                                              notif))
-            self.ctx.counters.inc("writes_posted")
+        if job.posting:
+            self._post(job)
         states = [self.ctx.poll(h) for h in job.handles]
         if "ERR" in states and not job.error:
-            bad = job.handles[states.index("ERR")]
-            job.error = self.ctx.failure_reason(bad)
-        if "PROC" in states or (job.pending and not job.error and not job.ack_cancel):
-            return  # in flight, or more to post: nothing may be released yet
-        del self.jobs[jkey]
-        tid, d_rank, attempt = jkey
-        reg = job.pairing.registration
+            job.error = self.ctx.failure_reason(job.handles[states.index("ERR")])
+        if "PROC" in states or job.posting:
+            return  # in flight, or more to post: no answer and no release yet
+        self._end_job(jkey, states.count("DONE"))
+
+    def _end_job(self, jkey: JobKey, chunks_done: int) -> None:
+        job = self.jobs.pop(jkey)
         for h in job.handles:
             self.ctx.release(h)
-        if job.error:
-            self._fail(job.peer, tid, attempt, job.error)
-        elif not job.pending:
-            self.ctx.counters.inc("transfers_done")
-            self.ctx.counters.inc("bytes_written", job.num_bytes)
-            self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - job.started)
-        if job.ack_cancel and self.ctx.peer(job.peer) is not None:
-            self._ack(job.peer, tid, d_rank, attempt)
-        tr = self.transfers.get(tid)
-        current = {r.tp_rank: r for r in self.rdv.registrations(tid)}.get(d_rank)
-        if tr is not None and (current is None or current.attempt == reg.attempt):
-            tr.resolved.add(d_rank)
-        self._maybe_release_source(job.pairing.source)
-        self._maybe_finish(tid)
+        reg, src = job.reg, job.pairing.source
+        self.readers[src.key] -= 1
+        if not self.readers[src.key]:
+            del self.readers[src.key]
+        alive = self.ctx.peer(reg.peer) is not None
+        if job.ack_cancel:
+            self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
+            if alive:
+                self._ack(reg.peer, reg, chunks_done)
+        elif job.error or (job.stop and job.stop != "superseded"):
+            if alive:
+                self._tell_failed(reg, job.error or job.stop, chunks_done)
+            else:
+                self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
+        else:
+            self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
+            if not job.pending:
+                self.ctx.counters.inc("transfers_done")
+                self.ctx.counters.inc("bytes_written", job.num_bytes)
+                self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - job.started)
+        self._resolve(reg)
+        self._settle(src.rdv_key)
 
-    def _source_in_use(self, source: Source) -> bool:
-        return any(j.pairing.source.key == source.key for j in self.jobs.values())
-
-    def _maybe_release_source(self, source: Source) -> None:
-        if source.key not in self.sources or self._source_in_use(source):
-            return
-        if self.rdv.source(source.transfer_id) is source and source.transfer_id in self.rdv:
-            return  # still the live source of its transfer
-        del self.sources[source.key]
-        self.on_released(source.key)
-
-    def _maybe_finish(self, tid: str) -> None:
-        tr = self.transfers.get(tid)
-        src = self.rdv.source(tid)
-        if tr is None or src is None or tr.targets is None:
-            return
-        if not tr.targets <= tr.resolved:
-            return
-        if any(k[0] == tid for k in self.jobs):
-            return
-        self._retire(tid, src)
-
-    def _retire(self, tid: str, source: Source | None) -> None:
-        """Forget transfer ``tid`` for good (done, failed or expired): drop its rendezvous entry
-        and what this worker owed, remember it in ``tombstones`` for ``rendezvous_ttl_s`` (late
-        registrations and re-issued prefills for it are answered at once), and release
-        ``source`` (its prefill, if any) unless something still reads it."""
-        self.rdv.drop(tid)
-        self.transfers.pop(tid, None)
-        self.tombstones[tid] = self.ctx.clock()
-        if source is not None:
-            self._maybe_release_source(source)
+    def _settle(self, rdv_key: RdvKey) -> None:
+        """Release every source of ``rdv_key`` that is done and that no WRITE reads."""
+        for src in self.rdv.sources(rdv_key):
+            if src.key in self.readers or not self.rdv.source_done(src.key):
+                continue
+            now = self.ctx.clock()
+            for claim in self.rdv.remove_source(src.key):
+                self.tombstones[claim.key] = now
+            if not src.failure:
+                del self.sources[src.key]
+                self.on_released(src.key)
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         for jkey in list(self.jobs):
             if jkey in self.jobs:
                 self._poll_job(jkey)
-        for tid, source, regs in self.rdv.expire():
+        if self.orphans:
+            still = []
+            for h in self.orphans:
+                if self.ctx.poll(h) == "PROC":
+                    still.append(h)
+                else:
+                    self.ctx.release(h)
+            self.orphans = still
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.ctx.config.rendezvous_ttl_s / 100)
+        claims, sources = self.rdv.expire()
+        for claim in claims:
             self.ctx.counters.inc("expired")
-            logger.warning("kv_push: transfer %s expired unpaired (prefill %s, %d registration(s))",
-                           tid, "done" if source else "missing", len(regs))
-            for reg in regs:
-                self._fail(reg.peer, tid, reg.attempt, "no prefill arrived in time")
-            self._retire(tid, source)
+            logger.warning("kv_push: request %s of transfer %s found no prefill in time",
+                           claim.key[1], claim.rdv_key[0])
+            self.tombstones[claim.key] = now
+            for reg in claim.regs.values():
+                self._tell_failed(reg, "no prefill arrived in time", 0)
+        for src in sources:
+            self.ctx.counters.inc("expired")
+            if not src.failure:
+                logger.warning("kv_push: prefill %s of transfer %s expired (not every decoder "
+                               "rank it serves was resolved in time)", src.key, src.transfer_id)
+            self._settle(src.rdv_key)
         ttl = self.ctx.config.rendezvous_ttl_s
-        for tid, when in list(self.tombstones.items()):
+        for key, when in list(self.tombstones.items()):
             if now - when > ttl:
-                del self.tombstones[tid]
+                del self.tombstones[key]
+        for key, seen in list(self.answered.items()):
+            if now - seen.when > ttl:
+                del self.answered[key]
 
     def busy(self) -> bool:
         return bool(self.jobs)
 
-    def on_peer_dead(self, peer: Peer) -> None:
+    def on_peer_silent(self, peer: Peer) -> None:
+        """``peer`` stopped heartbeating but is not proven dead: write nothing more to it, fail
+        what it registered (it may come back and will then fence as usual), and poll its WRITEs
+        in flight to the end before their source goes."""
         for reg in self.rdv.drop_peer(peer.agent_name):
-            tr = self.transfers.get(reg.transfer_id)
-            if tr is not None:
-                tr.resolved.add(reg.tp_rank)
+            if (reg.request, reg.tp_rank, reg.attempt) not in self.jobs:
+                self._tell_failed(reg, "decoder unresponsive", 0)
+            self._settle(reg.rdv_key)
+        for job in self.jobs.values():
+            if job.reg.peer == peer.agent_name and not job.stop:
+                job.stop = "decoder unresponsive"
+
+    def on_peer_dead(self, peer: Peer) -> None:
+        touched = {reg.rdv_key for reg in self.rdv.drop_peer(peer.agent_name)}
         for jkey, job in list(self.jobs.items()):
-            if job.peer == peer.agent_name:
-                # its memory is gone with it; stop tracking and let the source go
-                del self.jobs[jkey]
-                for h in job.handles:
+            if job.reg.peer != peer.agent_name:
+                continue
+            # nothing alive reads what lands there: the source may go, but NIXL will not let a
+            # handle in flight be released -- keep those until they finish
+            for h in job.handles:
+                if self.ctx.poll(h) == "PROC":
+                    self.orphans.append(h)
+                else:
                     self.ctx.release(h)
-                tr = self.transfers.get(jkey[0])
-                if tr is not None:
-                    tr.resolved.add(jkey[1])
-                self._maybe_release_source(job.pairing.source)
-        for tid in list(self.transfers):
-            self._maybe_finish(tid)
+            job.handles = []
+            job.pending = []
+            job.stop = job.stop or "decoder dead"
+            self.jobs.pop(jkey)
+            src = job.pairing.source
+            self.readers[src.key] -= 1
+            if not self.readers[src.key]:
+                del self.readers[src.key]
+            self._resolve(job.reg)
+            touched.add(src.rdv_key)
+        for rdv_key in touched:
+            self._settle(rdv_key)
 
     def close(self) -> None:
-        for job in self.jobs.values():
-            for h in job.handles:
+        """The thread stops: release every finished WRITE handle; one still in flight is left to
+        the transport's teardown (NIXL refuses to release it)."""
+        for h in [h for job in self.jobs.values() for h in job.handles] + self.orphans:
+            if self.ctx.poll(h) != "PROC":
                 self.ctx.release(h)
         self.jobs.clear()
+        self.readers.clear()
+        self.orphans = []
 
     # -- introspection for tests and metrics ----------------------------------------------------
     def live(self) -> dict[str, int]:
         return {"sources": len(self.sources), "jobs": len(self.jobs),
-                "rendezvous": len(self.rdv), "transfers": len(self.transfers)}
+                "rendezvous": len(self.rdv), "claims": self.rdv.num_claims}

@@ -1,40 +1,70 @@
-"""Rendezvous: a decoder's registration meets the producer's prefill completion, in either order.
+"""Rendezvous: decoders' registrations meet the producer's prefills, in either order.
 
-One table per producer worker, touched only by its transfer thread. Entries are keyed by the
-router's transfer id. Each entry holds at most one prefill source (the producer request whose
-blocks hold the prompt's KV) and, per decoder rank, the newest registration. Whichever of the
-two arrives second makes a ``Pairing``: the producer then plans and issues the WRITE.
+One table per producer worker, touched only by its transfer thread. Pure bookkeeping: no
+messages, no transport; the producer acts on what it returns.
 
-Attempts: a decoder that re-allocates (preemption, re-issue) registers again with a higher
-``attempt``; that registration supersedes the older one. An event for an attempt older than the
-newest one seen is stale: dropped and counted (``StaleEvent``). A second prefill source for the
-same transfer id (the router re-issued the prefill) supersedes the first; the displaced source
-is returned so its blocks can be released once nothing reads them.
+Identity. vLLM turns one client request with a prompt list or ``n > 1`` into several engine
+requests that share the router's transfer id (and its ``kv_transfer_params``), on P and on D
+alike. They meet here under a **rendezvous key** ``(transfer id, prompt digest)`` -- both sides
+see the same prompt token ids, so both compute the same digest:
 
-Entries that never pair expire after ``ttl_s``; ``expire()`` returns them so the producer can
-release the source's blocks (and tell the decoder, if one registered).
+* a **source** is one producer engine request's finished prefill (its blocks on this worker).
+  It can serve ``capacity`` decoder requests (default 1; the router may send the prefill once
+  for ``n`` samples and say ``fanout: n``). Identical prompts in one list simply form a pool of
+  sources under one key. A source whose prefill failed (``failure``) pairs like any other, and
+  each pairing fails at once.
+* a **claim** is one decoder engine request, named by ``RequestKey`` = (decoder engine id, its
+  registration id -- the decoder's request id). Each of its TP ranks sends a ``Registration``;
+  a re-issued request keeps its key and raises ``attempt``, which supersedes the older attempt
+  of that rank.
+
+A claim is assigned to one source with capacity left when its first registration arrives (or,
+if none has capacity, when a source arrives; waiting claims are served in arrival order), and
+keeps it: every rank and every later attempt of that request pairs with that source. Each
+(source, registration) is a ``Pairing`` the producer turns into a WRITE into *that*
+registration's blocks; two claims never share blocks, so two decoder requests' WRITEs never land
+in the same decoder blocks.
+
+A claim is **complete** when every decoder rank this worker writes to (``targets``) is resolved
+(written, failed, cancelled, or its decoder gone): the producer calls ``resolve``. A source is
+**done** when all its capacity is assigned and every claim assigned to it is complete, or when it
+has been here ``ttl_s`` (a decoder rank that never registers must not hold the prefill forever);
+the producer then removes it (``remove_source``) once no WRITE reads it, and the claims go with
+it. A claim that found no source within ``ttl_s`` expires (``expire``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
+
+#: (transfer id, prompt digest): what a prefill and a decoder request meet by
+RdvKey = tuple[str, str]
+#: (decoder engine id, registration id): one decoder engine request
+RequestKey = tuple[str, str]
 
 
 @dataclass(frozen=True)
 class Source:
-    """Producer side of a transfer: the finished prefill's blocks."""
+    """Producer side: one engine request's finished (or failed) prefill."""
 
     key: str  # what the engine knows the request by (its request id); released by this key
     transfer_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    prompt_digest: str = ""
+    capacity: int = 1  # decoder requests it may serve
+    failure: str = ""  # non-empty: the prefill failed; every pairing with it fails with this
+
+    @property
+    def rdv_key(self) -> RdvKey:
+        return (self.transfer_id, self.prompt_digest)
 
 
 @dataclass(frozen=True)
 class Registration:
-    """Decoder side of a transfer: where one decoder rank wants the KV written."""
+    """Decoder side: where one decoder rank wants one attempt of one request written."""
 
     transfer_id: str
     attempt: int
@@ -44,6 +74,16 @@ class Registration:
     block_ids: tuple[int, ...]
     first_token: int
     num_tokens: int
+    reg_id: str = ""  # the decoder's request id ("" = the transfer id, for callers without one)
+    prompt_digest: str = ""
+
+    @property
+    def rdv_key(self) -> RdvKey:
+        return (self.transfer_id, self.prompt_digest)
+
+    @property
+    def request(self) -> RequestKey:
+        return (self.engine_id, self.reg_id or self.transfer_id)
 
 
 @dataclass(frozen=True)
@@ -53,15 +93,49 @@ class Pairing:
 
 
 class StaleEvent(Exception):
-    """An event for an attempt older than one already seen."""
+    """An event for an attempt older than (or equal to) one already seen, or seen twice."""
+
+
+class ConflictEvent(Exception):
+    """An event that contradicts what the table holds (another decoder engine, another key)."""
+
+
+@dataclass
+class Claim:
+    """One decoder engine request (read-only outside this module)."""
+
+    key: RequestKey
+    rdv_key: RdvKey
+    since: float
+    targets: frozenset[int]  # decoder ranks this worker writes to
+    regs: dict[int, Registration] = field(default_factory=dict)  # held registration per rank
+    newest: dict[int, int] = field(default_factory=dict)  # rank -> newest attempt seen (even
+    # cancelled: an attempt at or below it is stale, however late it arrives)
+    resolved: set[int] = field(default_factory=set)
+    source: str | None = None  # key of the assigned source
+
+    @property
+    def complete(self) -> bool:
+        return self.targets <= self.resolved
+
+
+@dataclass
+class _Held:
+    source: Source
+    since: float
+    assigned: list[RequestKey] = field(default_factory=list)
+    expired: bool = False
+
+    @property
+    def spare(self) -> int:
+        return 0 if self.expired else self.source.capacity - len(self.assigned)
 
 
 @dataclass
 class _Entry:
-    created: float
-    source: Source | None = None
-    regs: dict[int, Registration] = field(default_factory=dict)  # by decoder tp_rank
-    paired: set[int] = field(default_factory=set)  # decoder ranks already handed off
+    engine: str | None = None  # the decoder engine that registered under this key
+    sources: dict[str, _Held] = field(default_factory=dict)  # in arrival order
+    claims: dict[RequestKey, Claim] = field(default_factory=dict)  # in arrival order
 
 
 class Rendezvous:
@@ -70,98 +144,188 @@ class Rendezvous:
             raise ValueError("rendezvous ttl must be positive")
         self.ttl_s = ttl_s
         self._clock = clock
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[RdvKey, _Entry] = {}
+        self._claims: dict[RequestKey, Claim] = {}
+        self._where: dict[str, RdvKey] = {}  # source key -> its entry
 
+    # -- introspection -------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __contains__(self, transfer_id: str) -> bool:
-        return transfer_id in self._entries
+    def __contains__(self, rdv_key: RdvKey) -> bool:
+        return rdv_key in self._entries
 
-    def _entry(self, transfer_id: str) -> _Entry:
-        entry = self._entries.get(transfer_id)
+    @property
+    def num_claims(self) -> int:
+        return len(self._claims)
+
+    def claim(self, key: RequestKey) -> Claim | None:
+        return self._claims.get(key)
+
+    def sources(self, rdv_key: RdvKey) -> list[Source]:
+        entry = self._entries.get(rdv_key)
+        return [h.source for h in entry.sources.values()] if entry else []
+
+    def source(self, source_key: str) -> Source | None:
+        held = self._held(source_key)
+        return held.source if held else None
+
+    def registrations(self, rdv_key: RdvKey) -> list[Registration]:
+        entry = self._entries.get(rdv_key)
+        return [r for c in entry.claims.values() for r in c.regs.values()] if entry else []
+
+    def _held(self, source_key: str) -> _Held | None:
+        rdv_key = self._where.get(source_key)
+        return self._entries[rdv_key].sources.get(source_key) if rdv_key else None
+
+    def _entry(self, rdv_key: RdvKey) -> _Entry:
+        entry = self._entries.get(rdv_key)
         if entry is None:
-            entry = self._entries[transfer_id] = _Entry(created=self._clock())
+            entry = self._entries[rdv_key] = _Entry()
         return entry
 
-    def add_registration(self, reg: Registration) -> tuple[Pairing | None, Registration | None]:
-        """Record ``reg``. Returns (pairing if the source is there, superseded registration)."""
-        entry = self._entry(reg.transfer_id)
-        old = entry.regs.get(reg.tp_rank)
-        if old is not None:
-            if reg.attempt < old.attempt or (
-                reg.attempt == old.attempt and reg.engine_id == old.engine_id
-            ):
-                raise StaleEvent(
-                    f"registration {reg.transfer_id} attempt {reg.attempt} from rank "
-                    f"{reg.tp_rank}: attempt {old.attempt} already seen"
-                )
-        entry.regs[reg.tp_rank] = reg
-        entry.paired.discard(reg.tp_rank)
-        superseded = old
-        if entry.source is None:
-            return None, superseded
-        entry.paired.add(reg.tp_rank)
-        return Pairing(entry.source, reg), superseded
+    # -- events --------------------------------------------------------------------------------
+    def add_source(self, source: Source) -> list[Pairing]:
+        """Record a finished (or failed) prefill; returns the pairings with waiting claims."""
+        if source.key in self._where:
+            raise StaleEvent(f"prefill {source.key} of {source.transfer_id} reported twice")
+        if source.capacity < 1:
+            raise ValueError(f"source capacity must be at least 1, got {source.capacity}")
+        entry = self._entry(source.rdv_key)
+        held = entry.sources[source.key] = _Held(source, self._clock())
+        self._where[source.key] = source.rdv_key
+        pairings: list[Pairing] = []
+        for claim in entry.claims.values():
+            if held.spare == 0:
+                break
+            if claim.source is None:
+                pairings += self._assign(claim, held)
+        return pairings
 
-    def add_source(self, source: Source) -> tuple[list[Pairing], Source | None]:
-        """Record a finished prefill. Returns (pairings, displaced older source)."""
-        entry = self._entry(source.transfer_id)
-        displaced = entry.source
-        if displaced is not None and displaced.key == source.key:
-            raise StaleEvent(f"prefill of {source.transfer_id} ({source.key}) reported twice")
-        entry.source = source
-        entry.paired.clear()
-        pairings = [Pairing(source, reg) for reg in entry.regs.values()]
-        entry.paired.update(entry.regs)
-        return pairings, displaced
+    def _assign(self, claim: Claim, held: _Held) -> list[Pairing]:
+        claim.source = held.source.key
+        held.assigned.append(claim.key)
+        return [Pairing(held.source, reg) for reg in claim.regs.values()]
 
-    def cancel(self, transfer_id: str, tp_rank: int, attempt: int) -> Registration | None:
-        """Drop a decoder rank's registration (if ``attempt`` is its newest). Returns it."""
-        entry = self._entries.get(transfer_id)
-        if entry is None:
-            return None
-        reg = entry.regs.get(tp_rank)
-        if reg is None:
-            return None
-        if attempt < reg.attempt:
-            raise StaleEvent(
-                f"cancel of {transfer_id} attempt {attempt}: attempt {reg.attempt} is current"
-            )
-        del entry.regs[tp_rank]
-        entry.paired.discard(tp_rank)
+    def _new_claim(self, key: RequestKey, rdv_key: RdvKey, engine_id: str,
+                   targets: Iterable[int]) -> Claim:
+        entry = self._entry(rdv_key)
+        if entry.engine not in (None, engine_id):
+            raise ConflictEvent(f"{rdv_key[0]} registered by decoder engines {entry.engine} "
+                                f"and {engine_id}")
+        entry.engine = engine_id
+        claim = Claim(key, rdv_key, self._clock(), frozenset(targets))
+        self._claims[key] = claim
+        entry.claims[key] = claim
+        return claim
+
+    def add_registration(self, reg: Registration, targets: Iterable[int]
+                         ) -> tuple[list[Pairing], Registration | None]:
+        """Record ``reg`` (``targets``: the decoder ranks this worker writes to, used when it is
+        the request's first). Returns (pairings to start now, the registration it superseded)."""
+        claim = self._claims.get(reg.request)
+        if claim is None:
+            claim = self._new_claim(reg.request, reg.rdv_key, reg.engine_id, targets)
+        elif claim.rdv_key != reg.rdv_key:
+            raise ConflictEvent(f"request {reg.request[1]} registered for {claim.rdv_key} and "
+                                f"then for {reg.rdv_key}")
+        newest = claim.newest.get(reg.tp_rank, -1)
+        if reg.attempt <= newest:
+            raise StaleEvent(f"registration of {reg.request[1]} ({reg.transfer_id}) attempt "
+                             f"{reg.attempt} from rank {reg.tp_rank}: attempt {newest} seen")
+        old = claim.regs.get(reg.tp_rank)
+        claim.newest[reg.tp_rank] = reg.attempt
+        claim.regs[reg.tp_rank] = reg
+        claim.resolved.discard(reg.tp_rank)
+        if claim.source is not None:
+            held = self._held(claim.source)
+            assert held is not None  # a claim leaves with its source
+            return [Pairing(held.source, reg)], old
+        entry = self._entries[claim.rdv_key]
+        for held in entry.sources.values():
+            if held.spare > 0:
+                return self._assign(claim, held), old
+        return [], old
+
+    def resolve(self, key: RequestKey, rank: int) -> None:
+        """Decoder rank ``rank`` of request ``key`` can no longer be written by this worker."""
+        claim = self._claims.get(key)
+        if claim is not None:
+            claim.resolved.add(rank)
+
+    def cancel(self, key: RequestKey, rank: int, attempt: int, *, rdv_key: RdvKey,
+               engine_id: str, targets: Iterable[int]) -> Registration | None:
+        """The decoder gave up ``rank``'s attempt ``attempt``: drop that registration (if it is
+        the newest) and resolve the rank. A cancel for a request never seen still creates its
+        claim (resolved for ``rank``): its registration was lost or is late, and the claim must
+        still take its share of a source so the source is released. Raises ``StaleEvent`` for an
+        attempt older than the registration held (which stays)."""
+        claim = self._claims.get(key)
+        if claim is None:
+            claim = self._new_claim(key, rdv_key, engine_id, targets)
+            entry = self._entries[rdv_key]
+            for held in entry.sources.values():
+                if held.spare > 0:
+                    self._assign(claim, held)
+                    break
+        reg = claim.regs.get(rank)
+        if reg is not None and attempt < reg.attempt:
+            raise StaleEvent(f"cancel of {key[1]} attempt {attempt}: attempt {reg.attempt} held")
+        claim.newest[rank] = max(attempt, claim.newest.get(rank, -1))
+        claim.regs.pop(rank, None)
+        claim.resolved.add(rank)
         return reg
 
-    def registrations(self, transfer_id: str) -> list[Registration]:
-        entry = self._entries.get(transfer_id)
-        return list(entry.regs.values()) if entry else []
-
-    def source(self, transfer_id: str) -> Source | None:
-        entry = self._entries.get(transfer_id)
-        return entry.source if entry else None
-
-    def drop(self, transfer_id: str) -> None:
-        """Forget a transfer (done, failed or released)."""
-        self._entries.pop(transfer_id, None)
-
     def drop_peer(self, peer: str) -> list[Registration]:
-        """Forget every registration from ``peer`` (declared dead). Returns them."""
+        """Forget every registration from ``peer`` (gone); their ranks are resolved."""
         dropped = []
-        for entry in self._entries.values():
-            for rank, reg in list(entry.regs.items()):
+        for claim in self._claims.values():
+            for rank, reg in list(claim.regs.items()):
                 if reg.peer == peer:
                     dropped.append(reg)
-                    del entry.regs[rank]
-                    entry.paired.discard(rank)
+                    del claim.regs[rank]
+                    claim.resolved.add(rank)
         return dropped
 
-    def expire(self) -> list[tuple[str, Source | None, list[Registration]]]:
-        """Remove entries older than ttl that never paired; returns what they held."""
+    # -- endings -------------------------------------------------------------------------------
+    def source_done(self, source_key: str) -> bool:
+        """Nothing more will pair with this source: every unit of capacity went to a claim that
+        is complete, or the source expired. (Whether a WRITE still reads it is the caller's.)"""
+        held = self._held(source_key)
+        if held is None:
+            return False
+        if held.expired:
+            return True
+        return held.spare == 0 and all(self._claims[k].complete for k in held.assigned)
+
+    def remove_source(self, source_key: str) -> list[Claim]:
+        """Forget a done source and the claims assigned to it (returned)."""
+        rdv_key = self._where.pop(source_key)
+        entry = self._entries[rdv_key]
+        held = entry.sources.pop(source_key)
+        gone = [self._claims.pop(k) for k in held.assigned]
+        for claim in gone:
+            del entry.claims[claim.key]
+        if not entry.sources and not entry.claims:
+            del self._entries[rdv_key]
+        return gone
+
+    def expire(self) -> tuple[list[Claim], list[Source]]:
+        """Apply the time-out: claims that found no source within ``ttl_s`` are removed and
+        returned; sources here for ``ttl_s`` take no more claims and are returned once (the
+        caller removes each when no WRITE reads it; ``source_done`` is now true)."""
         now = self._clock()
-        out = []
-        for tid, entry in list(self._entries.items()):
-            if entry.paired or now - entry.created < self.ttl_s:
-                continue
-            out.append((tid, entry.source, list(entry.regs.values())))
-            del self._entries[tid]
-        return out
+        claims, sources = [], []
+        for rdv_key, entry in list(self._entries.items()):
+            for key, claim in list(entry.claims.items()):
+                if claim.source is None and now - claim.since >= self.ttl_s:
+                    del entry.claims[key]
+                    del self._claims[key]
+                    claims.append(claim)
+            for held in entry.sources.values():
+                if not held.expired and now - held.since >= self.ttl_s:
+                    held.expired = True
+                    sources.append(held.source)
+            if not entry.sources and not entry.claims:
+                del self._entries[rdv_key]
+        return claims, sources

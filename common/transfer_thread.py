@@ -4,15 +4,21 @@ Everything that touches the agent runs here; everything else only hands work in.
 
 1. run the callables waiting in the inbox (``submit`` / ``call`` put them there and set the
    wake event);
-2. drain NIXL notifications, decode each (a rejection is counted and logged once, never
+2. drain NIXL notifications, open each through ``channel`` (``auth.NotificationChannel``: frame,
+   MAC bound to sender and receiver, replay window; a rejection is counted and logged once, never
    raised), note the sender as alive, and route the message to the roles that handle its type;
 3. let each role ``tick`` (poll in-flight WRITEs, time-outs) and keep liveness: heartbeats go to
    every peer four times per ``heartbeat_interval_s``; a peer silent for ``peer_timeout_s``
-   (1.5 intervals) is declared
-   dead, told goodbye, removed from the agent, and each role is told. Over a transport whose
-   first call to a peer waits for that peer's own handshake (``first_call_waits_for_peer``:
-   NIXL LIBFABRIC from 1.4.0, up to 60 s), heartbeats and goodbyes go only to peers heard from,
-   so that wait never lands on this thread for a peer that is gone or never loaded us;
+   (1.5 intervals) is marked *unresponsive* and each role's ``on_peer_silent`` is told once
+   (until it speaks again). Silence is not proof of death -- a frozen process may still hold a
+   WRITE in flight -- so the peer stays in the table (still heartbeated, its messages still
+   handled). A peer is dropped (removed from the agent, each role's ``on_peer_dead`` told) only
+   on proof: its lifeline closed (``peer_lost``), it said goodbye, or a role gave up on it
+   (``peer_lost`` too, after the role closed the lifeline itself);
+   over a transport whose first call to a peer waits for that peer's own handshake
+   (``first_call_waits_for_peer``: NIXL LIBFABRIC from 1.4.0, up to 60 s), heartbeats and
+   goodbyes go only to peers heard from, so that wait never lands on this thread for a peer that
+   is gone or never loaded us;
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
 
@@ -39,6 +45,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from .auth import NotificationChannel
 from .config import PushConfig
 from .geometry import KVGeometry
 from .messages import Codec, Goodbye, Heartbeat, Message, MessageRejected
@@ -58,6 +65,7 @@ class Peer:
     last_heard: float
     address: tuple[str, int] | None = None  # a producer's side channel, as the decoder dialled it
     heard: bool = False  # a notification from it has arrived since it was added
+    silent: bool = False  # no message for peer_timeout_s (roles were told); cleared when it speaks
 
 
 class Role(Protocol):
@@ -77,7 +85,11 @@ class Role(Protocol):
         """True while work is in flight that needs the thread to spin rather than sleep."""
 
     def on_peer_dead(self, peer: Peer) -> None:
-        """``peer`` is gone (goodbye, silence, lifeline closed); it is no longer in the table."""
+        """``peer`` is gone (goodbye, lifeline closed); it is no longer in the table."""
+
+    def on_peer_silent(self, peer: Peer) -> None:
+        """``peer`` has been silent for ``peer_timeout_s``: unresponsive, not proven dead. It is
+        still in the table and may speak again (then ``peer.silent`` is cleared)."""
 
     def close(self) -> None:
         """The thread is stopping: release what the role holds in the transport."""
@@ -118,11 +130,18 @@ class RoleContext(Protocol):
     def send(self, peer: str, msg: Message) -> bool:
         """Encode ``msg`` and send it to agent ``peer``. Returns False if it could not be posted."""
 
+    def seal(self, peer: str, msg: Message) -> bytes:
+        """``msg`` framed for ``peer`` (numbered and, with a secret, MAC'd for that receiver):
+        the notification that rides a WRITE. Call it when the WRITE is posted, not earlier, so
+        sequence numbers follow posting order (the receiver's replay window)."""
+
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
-                 digest: str, address: tuple[str, int] | None = None) -> Peer:
+                 digest: str, address: tuple[str, int] | None = None,
+                 agent_name: str | None = None) -> Peer:
         """Load a peer's transport metadata (once) and track it. Raises ``MessageRejected``
-        ("layout_changed") if the agent is known with another geometry, ``TransportError`` if the
-        metadata cannot be loaded."""
+        ("layout_changed") if the agent is known with another geometry, ("name_mismatch") if
+        ``agent_name`` (the name the peer gave in its handshake) is not the name the metadata
+        carries, ``TransportError`` if the metadata cannot be loaded."""
 
     def peer(self, agent_name: str) -> Peer | None:
         """The live peer of that agent name, or None (never known, or dropped)."""
@@ -171,6 +190,8 @@ class TransferThread:
         self.geometry = geometry
         self.config = config
         self.codec = Codec(config.secret or None)
+        # numbers, MACs and replay-checks every notification (auth.py)
+        self.channel = NotificationChannel(self.codec, transport.agent_name)
         self.counters = counters or Counters()
         self.clock = clock
         self.peers: dict[str, Peer] = {}
@@ -185,7 +206,7 @@ class TransferThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         #: unsolicited messages (heartbeat, goodbye) wait until the peer has spoken
-        self._hold_until_heard = bool(getattr(transport, "first_call_waits_for_peer", False))
+        self._hold_until_heard = bool(transport.first_call_waits_for_peer)
 
     # -- engine-facing: hand work in ---------------------------------------------------------
     def add_role(self, role: Role) -> None:
@@ -241,7 +262,11 @@ class TransferThread:
         return self.transport.nixl_version
 
     def send(self, peer: str, msg: Message) -> bool:
-        return self.transport.send_notif(peer, self.codec.encode(msg))
+        return self.transport.send_notif(peer, self.channel.seal(peer, msg))
+
+    def seal(self, peer: str, msg: Message) -> bytes:
+        """``msg`` framed for ``peer`` (a notification that rides a WRITE)."""
+        return self.channel.seal(peer, msg)
 
     def peer(self, agent_name: str) -> Peer | None:
         return self.peers.get(agent_name)
@@ -257,14 +282,21 @@ class TransferThread:
         self.transport.release(handle)
 
     def failure_reason(self, handle: Any) -> str:
-        # not every transport explains its failures
-        explain = getattr(self.transport, "failure_reason", None)
-        return explain(handle) if explain is not None else "WRITE failed"
+        return self.transport.failure_reason(handle)
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
-                 digest: str, address: tuple[str, int] | None = None) -> Peer:
-        """Load a peer's agent metadata (once) and start tracking its liveness."""
+                 digest: str, address: tuple[str, int] | None = None,
+                 agent_name: str | None = None) -> Peer:
+        """Load a peer's agent metadata (once) and start tracking its liveness.
+
+        ``agent_name``: the name the peer gave in its handshake; it must be the name NIXL reports
+        for the metadata (its lifeline is known by that name: a peer must not name another)."""
         name = self.transport.add_peer(metadata)
+        if agent_name is not None and name != agent_name:
+            if name not in self.peers:
+                self.transport.remove_peer(name)
+            raise MessageRejected("name_mismatch", f"handshake names agent {agent_name!r} but "
+                                  f"its NIXL metadata is agent {name!r}")
         old = self.peers.get(name)
         if old is not None and old.geometry_digest != digest:
             raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
@@ -338,7 +370,7 @@ class TransferThread:
 
     def _dispatch(self, sender: str, data: bytes) -> None:
         try:
-            msg = self.codec.decode(data)
+            msg = self.channel.open(sender, data)
         except MessageRejected as e:
             self.counters.reject(e.reason, e.detail, context=f"from {sender}")
             return
@@ -349,6 +381,10 @@ class TransferThread:
             return
         peer.last_heard = self.clock()
         peer.heard = True
+        if peer.silent:
+            peer.silent = False
+            logger.warning("kv_push: peer %s (engine %s rank %d) speaks again", peer.agent_name,
+                           peer.engine_id, peer.tp_rank)
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, Goodbye):
@@ -376,13 +412,15 @@ class TransferThread:
                     self.send(name, hb)
         timeout = self.config.peer_timeout_s
         for peer in list(self.peers.values()):
-            if now - peer.last_heard > timeout:
-                self.counters.inc("peers_dead")
-                # if it is only slow, it forgets us too rather than talk to a side that ignores it
-                if self._may_call(peer):
-                    self.send(peer.agent_name,
-                              Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank))
-                self.drop_peer(peer, f"silent for {now - peer.last_heard:.2f}s")
+            if not peer.silent and now - peer.last_heard > timeout:
+                peer.silent = True
+                self.counters.inc("peers_silent")
+                logger.warning("kv_push: peer %s (engine %s rank %d) silent for %.2fs: "
+                               "unresponsive (not taken for dead until its lifeline closes)",
+                               peer.agent_name, peer.engine_id, peer.tp_rank,
+                               now - peer.last_heard)
+                for role in self.roles:
+                    self._guard(role.on_peer_silent, peer, context=f"peer {peer.agent_name} silent")
 
     def _may_call(self, peer: Peer) -> bool:
         """May an unsolicited message go to ``peer`` now without waiting on its handshake?"""

@@ -1,33 +1,64 @@
 """The transport seam: the few NIXL operations the push protocol needs.
 
-Contract
---------
-* Threading: one owner thread calls every method of one ``Transport`` (NIXL agents run with
-  thread-sync NONE and are not safe to share). Other threads hand work to the owner thread.
-* Lifecycle: construct -> ``register`` the KV memory once -> ``metadata()`` for the handshake ->
-  ``add_peer`` per peer (idempotent) -> ``write`` / ``poll`` / ``release`` per transfer ->
-  ``close``.
-* Failures: set-up errors (agent creation, registration, loading a peer) raise
-  ``TransportError`` with a clear message. Per-transfer failures are values: ``write`` returns a
-  handle whose state may be ``ERR``; ``poll`` returns "PROC", "DONE" or "ERR";
-  ``send_notif`` returns False when the notification could not be posted. Nothing on the
-  transfer path raises into the engine.
+A ``Transport`` moves bytes between registered memory of two processes and carries small
+notifications beside them. The protocol (``transfer_thread``, ``producer``, ``decoder``) uses
+nothing else of NIXL, so a new transport (another NIXL backend, a test double, a different
+library) is one class with the members of ``Transport``. ``NixlTransport`` is the real one.
+
+Lifecycle
+---------
+1. Construct (creates the agent; may raise ``TransportError``).
+2. ``register`` the KV memory, once per set of regions, before any ``metadata()`` is handed out
+   (the metadata describes the registered memory to peers).
+3. ``metadata()`` for the handshake; the peer passes it to its ``add_peer`` and gets back this
+   transport's ``agent_name``.
+4. Per peer: ``add_peer`` (idempotent), later ``remove_peer`` (the peer died or said goodbye).
+5. Per transfer: ``write`` -> ``poll`` until not "PROC" -> (``failure_reason`` if "ERR") ->
+   ``release``. Control messages: ``send_notif`` / ``get_notifs``.
+6. ``close`` once; nothing is called after it.
+
+Failure model
+-------------
+* Set-up and handshake steps raise ``TransportError`` with a message an operator can act on:
+  construction, ``register``, ``metadata``, ``add_peer``. Their callers run at start-up or
+  inside a handshake, where an exception fails exactly that step.
+* Everything on the transfer path returns failures as values and never raises:
+  ``write`` returns a handle that polls "ERR" when the WRITE could not be posted (unknown peer,
+  bad descriptors, NIXL refused it), ``poll`` returns "ERR" when the transfer failed or cannot be
+  queried, ``failure_reason`` says why, ``send_notif`` returns False, ``get_notifs`` returns no
+  notifications when the agent cannot be polled (a peer then looks silent and the liveness check
+  declares it dead), ``remove_peer``, ``release`` and ``close`` log and carry on.
+
+Threading model
+---------------
+* One owner thread calls every method of one ``Transport`` (NIXL agents run with thread-sync
+  NONE and are not safe to share). Other threads hand work to the owner thread
+  (``TransferThread.submit`` / ``call``). The constructing thread may ``register`` before it
+  hands the transport to the owner thread (thread start orders the two).
 * Progress: NIXL over UCX makes progress only when someone calls into the agent, on both sides
   (measured here: a WRITE did not complete while the target slept). The owner thread therefore
-  polls ``get_notifs`` and ``poll`` continuously while work is in flight, on both sides.
-* Completion: "DONE" on the initiator does not prove the bytes are at the target (seen with
-  LIBFABRIC); the notification attached to the WRITE is what the target waits for.
-* ``first_call_waits_for_peer``: True when the first ``write``/``send_notif`` to a peer blocks
-  until that peer's own handshake arrives (NIXL LIBFABRIC from 1.4.0, up to a compiled-in 60 s,
-  with or without the progress thread); the transfer thread then sends unsolicited messages
-  (heartbeats, goodbyes) only to peers it has heard from. A transport without it is False.
+  calls ``get_notifs`` and ``poll`` continuously while work is in flight, on both sides, and an
+  implementation may make progress inside any of its methods.
+
+Completion
+----------
+"DONE" on the initiator does not prove the bytes are at the target (seen with LIBFABRIC); the
+notification attached to the WRITE is what the target waits for: it is delivered through the
+target's ``get_notifs`` only after the WRITE's bytes are in place.
+
+``first_call_waits_for_peer``
+-----------------------------
+True when the first ``write``/``send_notif`` to a peer blocks until that peer's own handshake
+arrives (NIXL LIBFABRIC from 1.4.0, up to a compiled-in 60 s, with or without the progress
+thread); the transfer thread then sends unsolicited messages (heartbeats, goodbyes) only to peers
+it has heard from. A transport without it is False.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
 
@@ -35,42 +66,154 @@ from .nixl_compat import libfabric_waits_for_handshake, local_nixl_version
 
 logger = logging.getLogger(__name__)
 
+#: What ``Transport.poll`` returns: in progress, completed, or failed.
+XferState = Literal["PROC", "DONE", "ERR"]
+
 
 class TransportError(RuntimeError):
-    pass
+    """A set-up or handshake step of a transport failed (see the module's failure model)."""
 
 
 class Transport(Protocol):
+    """What the push protocol needs from a transport. Read the module docstring first."""
+
+    #: This side's name as peers know it: ``add_peer`` on a peer returns it, and it is the
+    #: sender a peer's ``get_notifs`` reports for notifications from this transport.
     agent_name: str
-    nixl_version: str  # the NIXL release underneath ("" for a transport that is not NIXL)
+    #: The NIXL release underneath ("" for a transport that is not NIXL); compared at the
+    #: handshake (``nixl_compat.check_peer_nixl``).
+    nixl_version: str
+    #: See the module docstring: unsolicited messages go only to peers heard from when True.
+    first_call_waits_for_peer: bool
 
-    def register(self, regions: Sequence[tuple[int, int]], mem_type: str, dev_id: int) -> None: ...
+    def register(self, regions: Sequence[tuple[int, int]], mem_type: str, dev_id: int) -> None:
+        """Make local memory a source or target of transfers.
 
-    def metadata(self) -> bytes: ...
+        Args:
+            regions: ``(address, length)`` pairs in bytes, in this process's address space.
+            mem_type: the NIXL memory type: "DRAM" (host) or "VRAM" (device memory).
+            dev_id: device ordinal of the regions (0 for host memory).
 
-    def add_peer(self, metadata: bytes) -> str: ...
+        Raises:
+            TransportError: the memory cannot be registered (wrong type, unmapped, no backend
+                that can register it).
+        """
+        ...
 
-    def remove_peer(self, peer: str) -> None: ...
+    def metadata(self) -> bytes:
+        """This side's connection information, opaque to the caller, for a peer's ``add_peer``.
+
+        Returns:
+            Bytes that describe the agent and its registered memory; call after ``register``.
+
+        Raises:
+            TransportError: the agent cannot produce its metadata.
+        """
+        ...
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's ``metadata()`` so that this side can write to it and notify it.
+
+        Idempotent: adding the same peer again returns the same name.
+
+        Args:
+            metadata: what the peer's ``metadata()`` returned (received in the handshake).
+
+        Returns:
+            The peer's ``agent_name``: the name every other per-peer method takes.
+
+        Raises:
+            TransportError: the metadata is malformed or the peer cannot be loaded.
+        """
+        ...
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer (it died or said goodbye). Unknown names are ignored; never raises.
+
+        Args:
+            peer: a name ``add_peer`` returned.
+        """
+        ...
 
     def write(
         self, peer: str, src: np.ndarray, dst: np.ndarray, src_mem: str, dst_mem: str,
         notif: bytes,
-    ) -> Any: ...
+    ) -> Any:
+        """Post one WRITE of local regions into a peer's registered memory; never raises.
 
-    def read(
-        self, peer: str, local: np.ndarray, remote: np.ndarray, local_mem: str, remote_mem: str,
-        notif: bytes,
-    ) -> Any: ...
+        Args:
+            peer: a name ``add_peer`` returned.
+            src: ``(N, 3)`` uint64 rows ``[address, length, dev_id]`` of registered local memory.
+            dst: ``(N, 3)`` uint64 rows of the peer's registered memory; row i of ``src`` is
+                copied to row i of ``dst`` (same lengths).
+            src_mem: NIXL memory type of ``src`` ("DRAM" or "VRAM").
+            dst_mem: NIXL memory type of ``dst``.
+            notif: delivered to the peer's ``get_notifs`` once every byte has arrived.
 
-    def poll(self, handle: Any) -> str: ...
+        Returns:
+            An opaque handle for ``poll``, ``failure_reason`` and ``release``. A WRITE that
+            could not be posted (unknown peer, bad descriptors, refused) still gives a handle:
+            it polls "ERR" at once.
+        """
+        ...
 
-    def release(self, handle: Any) -> None: ...
+    def poll(self, handle: Any) -> XferState:
+        """State of a WRITE; drives progress. Never raises.
 
-    def send_notif(self, peer: str, data: bytes) -> bool: ...
+        Args:
+            handle: what ``write`` returned, not yet released.
 
-    def get_notifs(self) -> list[tuple[str, bytes]]: ...
+        Returns:
+            "PROC" while in flight, "DONE" once the initiator is done with it, "ERR" when it
+            failed or its state cannot be read.
+        """
+        ...
 
-    def close(self) -> None: ...
+    def failure_reason(self, handle: Any) -> str:
+        """Why a WRITE polled "ERR", for logs and ``TransferFailed``; never raises.
+
+        Args:
+            handle: what ``write`` returned, not yet released.
+
+        Returns:
+            A one-line human-readable reason.
+        """
+        ...
+
+    def release(self, handle: Any) -> None:
+        """Free a WRITE's resources once ``poll`` returned "DONE" or "ERR"; never raises.
+
+        Args:
+            handle: what ``write`` returned; each handle is released exactly once, never while
+                it polls "PROC" (the caller waits for it to finish first).
+        """
+        ...
+
+    def send_notif(self, peer: str, data: bytes) -> bool:
+        """Post a small control message to a peer, without ordering against WRITEs.
+
+        Args:
+            peer: a name ``add_peer`` returned.
+            data: the message (a few hundred bytes; encoded by ``messages.Codec``).
+
+        Returns:
+            True when posted, False when it could not be (unknown peer, agent error). Never
+            raises. Posted is not delivered: delivery needs both sides to keep polling.
+        """
+        ...
+
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Notifications that arrived since the last call; drives progress. Never raises.
+
+        Returns:
+            ``(sender agent_name, data)`` pairs in arrival order; empty when there are none or
+            the agent cannot be polled (logged).
+        """
+        ...
+
+    def close(self) -> None:
+        """Remove all peers and deregister all memory; never raises. Called once, last."""
+        ...
 
 
 def _nixl_api():
@@ -94,7 +237,18 @@ class _Failed:
 
 
 class NixlTransport:
-    """``Transport`` over a real NIXL agent (UCX by default; LIBFABRIC for EFA / Neuron)."""
+    """``Transport`` over a real NIXL agent (UCX by default; LIBFABRIC for EFA / Neuron).
+
+    Args:
+        name: the agent name peers will know (default: a random ``kvpush-...`` name).
+        backends: NIXL backends the agent creates; all must load.
+        progress_thread: let NIXL run its own progress thread (off: the owner thread's polling
+            makes progress, see the module docstring).
+
+    Raises:
+        TransportError: nixl is not importable, the agent cannot be created, or a backend did
+            not load.
+    """
 
     def __init__(
         self,
@@ -123,6 +277,7 @@ class NixlTransport:
         self._peers: set[str] = set()
         self.first_call_waits_for_peer = ("LIBFABRIC" in self._backends
                                           and libfabric_waits_for_handshake(local_nixl_version()))
+        self._notif_errors: set[str] = set()  # get_notifs errors already logged
 
     def register(self, regions: Sequence[tuple[int, int]], mem_type: str, dev_id: int) -> None:
         descs = [(int(addr), int(length), int(dev_id), "") for addr, length in regions]
@@ -132,7 +287,10 @@ class NixlTransport:
             raise TransportError(f"registering {len(descs)} {mem_type} region(s) failed: {e}") from e
 
     def metadata(self) -> bytes:
-        return bytes(self._agent.get_agent_metadata())
+        try:
+            return bytes(self._agent.get_agent_metadata())
+        except Exception as e:
+            raise TransportError(f"reading this NIXL agent's metadata failed: {e}") from e
 
     def add_peer(self, metadata: bytes) -> str:
         try:
@@ -163,10 +321,10 @@ class NixlTransport:
         try:
             state = self._agent.transfer(handle)
         except Exception as e:
-            self._agent.release_xfer_handle(handle)
+            self.release(handle)
             return _Failed(f"posting {op} to {peer}: {e}")
         if state == "ERR":
-            self._agent.release_xfer_handle(handle)
+            self.release(handle)
             return _Failed(f"posting {op} to {peer} returned ERR")
         return handle
 
@@ -174,6 +332,9 @@ class NixlTransport:
         return self._xfer("WRITE", peer, src, dst, src_mem, dst_mem, notif)
 
     def read(self, peer, local, remote, local_mem, remote_mem, notif):
+        """A READ from the peer into local memory, as ``write`` in reverse (same handle, same
+        failure model). Not part of the ``Transport`` seam -- push never reads; the benchmarks'
+        pull-model comparison uses it."""
         return self._xfer("READ", peer, local, remote, local_mem, remote_mem, notif)
 
     def poll(self, handle) -> str:
@@ -193,8 +354,7 @@ class NixlTransport:
         except Exception as e:  # a handle still in flight cannot be released: log, keep going
             logger.warning("kv_push: releasing a NIXL transfer handle failed: %s", e)
 
-    @staticmethod
-    def failure_reason(handle) -> str:
+    def failure_reason(self, handle) -> str:
         return handle.reason if isinstance(handle, _Failed) else "transfer reported ERR"
 
     def send_notif(self, peer: str, data: bytes) -> bool:
@@ -208,7 +368,13 @@ class NixlTransport:
             return False
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
-        notifs = self._agent.get_new_notifs()
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as e:  # polled in a loop: log each distinct error once
+            if str(e) not in self._notif_errors:
+                self._notif_errors.add(str(e))
+                logger.warning("kv_push: polling NIXL notifications failed: %s", e)
+            return []
         out = []
         for peer, msgs in notifs.items():
             peer = peer.decode() if isinstance(peer, bytes) else peer

@@ -66,7 +66,7 @@ class PushWorker:
             transport_factory = lambda: NixlTransport(  # noqa: E731
                 name=f"kvpush-{self.engine_id}-r{geometry.tp_rank}-{uuid.uuid4().hex[:8]}",
                 backends=backends,
-                progress_thread=bool(getattr(self.backend, "nixl_progress_thread", False)))
+                progress_thread=self.backend.nixl_progress_thread)
         transport = transport_factory()
         transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
         self.backend.verify_registration(geometry)
@@ -93,6 +93,7 @@ class PushWorker:
                 timeout=self.config.handshake_timeout_s,
                 on_closed=lambda hello: self.thread.peer_lost(
                     hello.agent_name, "decoder closed its side channel"),
+                max_connections=self.config.max_side_channel_connections,
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)
@@ -102,7 +103,7 @@ class PushWorker:
 
     def _nixl_backends(self) -> tuple[str, ...]:
         """The configured NIXL backends, which must be able to register the backend's memory."""
-        usable = tuple(getattr(self.backend, "nixl_backends", ("UCX",)))
+        usable = tuple(self.backend.nixl_backends)
         if not self.config.nixl_backends:
             return usable[:1]
         chosen = tuple(b for b in self.config.nixl_backends if b in usable)
@@ -137,31 +138,36 @@ class PushWorker:
                 logger.warning("kv_push state (rank %d): unreadable: %r",
                                self.geometry.tp_rank, e)
                 continue
-            if any(state.get(k) for k in ("wants", "sources", "jobs", "transfers",
-                                          "rendezvous")):
+            if any(state.get(k) for k in ("wants", "parked", "sources", "jobs", "rendezvous",
+                                          "orphans")):
                 logger.warning("kv_push state (rank %d): %s", self.geometry.tp_rank, state)
 
     # -- producer --------------------------------------------------------------------------------
-    def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int) -> None:
+    def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int, *,
+                     prompt_digest: str = "", capacity: int = 1) -> None:
         producer = self._need(self.producer, "prefill_done")
         ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
-        self.thread.submit(lambda: producer.prefill_done(key, transfer_id, tuple(map(int, ids)),
-                                                         num_tokens))
+        self.thread.submit(lambda: producer.prefill_done(
+            key, transfer_id, tuple(map(int, ids)), num_tokens, prompt_digest=prompt_digest,
+            capacity=capacity))
 
-    def prefill_failed(self, transfer_id: str, reason: str = "aborted") -> None:
+    def prefill_failed(self, transfer_id: str, reason: str = "aborted", *,
+                       prompt_digest: str = "", capacity: int = 1) -> None:
         producer = self._need(self.producer, "prefill_failed")
-        self.thread.submit(lambda: producer.prefill_failed(transfer_id, reason))
+        self.thread.submit(lambda: producer.prefill_failed(
+            transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity))
 
     def drain_released(self) -> list[str]:
         return _drain(self.released)
 
     # -- decoder ---------------------------------------------------------------------------------
     def expect(self, key: str, transfer_id: str, attempt: int, address: tuple[str, int],
-               block_ids, first_token: int, num_tokens: int) -> None:
+               block_ids, first_token: int, num_tokens: int, *, prompt_digest: str = "") -> None:
         decoder = self._need(self.decoder, "expect")
         ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
         self.thread.submit(lambda: decoder.expect(key, transfer_id, attempt, address,
-                                                   tuple(map(int, ids)), first_token, num_tokens))
+                                                   tuple(map(int, ids)), first_token, num_tokens,
+                                                   prompt_digest=prompt_digest))
 
     def cancel(self, key: str, reason: str = "aborted") -> None:
         decoder = self._need(self.decoder, "cancel")
@@ -183,28 +189,31 @@ class PushWorker:
         return self.thread.call(read, timeout) if self.thread.alive else read()
 
     def describe(self, timeout: float = 5.0) -> dict[str, Any]:
-        """What this worker holds, read on the transfer thread: per decoder want its key,
-        transfer id, attempt, state, the producer ranks expected / resolved / arrived and its
-        age; per producer the unreleased sources (key, transfer id), WRITE jobs, open transfers
-        (targets, resolved) and the number of rendezvous entries."""
+        """What this worker holds, read on the transfer thread: per decoder want (not done) its
+        key, registration id, transfer id, attempt, state, age, and per producer rank told what
+        it owes (writes, WriteDone chunks seen / expected, chunks it answered for, dead); per
+        producer the unreleased sources (key, transfer id), WRITE jobs, rendezvous entries and
+        claims, WRITE handles to dead peers still in flight."""
         def read() -> dict[str, Any]:
             now = self.thread.clock()
             out: dict[str, Any] = {"peers": sorted(self.thread.peers)}
             if self.decoder is not None:
+                d = self.decoder
                 out["wants"] = [
-                    {"key": w.key, "tid": w.transfer_id, "attempt": w.attempt,
-                     "state": w.state, "expected": sorted(w.expected),
-                     "resolved": sorted(w.resolved), "arrived": sorted(w.arrived),
-                     "age_s": round(now - w.started, 1)}
-                    for w in self.decoder.wants.values()]
+                    {"key": w.key, "reg_id": w.reg_id, "tid": w.transfer_id,
+                     "attempt": w.attempt, "state": w.state, "age_s": round(now - w.started, 1),
+                     "told": {rank: {"writes": t.writes, "seen": len(t.seen),
+                                     "chunks": t.chunks, "due": t.due, "dead": t.dead}
+                              for rank, t in w.told.items()}}
+                    for w in d.by_reg.values()]
+                out["parked"] = len(d.parked)
             if self.producer is not None:
                 p = self.producer
                 out["sources"] = [(src.key, src.transfer_id) for src in p.sources.values()]
-                out["jobs"] = [list(k) for k in p.jobs]
-                out["transfers"] = {tid: {"targets": sorted(tr.targets or ()),
-                                          "resolved": sorted(tr.resolved)}
-                                    for tid, tr in p.transfers.items()}
+                out["jobs"] = [repr(k) for k in p.jobs]
                 out["rendezvous"] = len(p.rdv)
+                out["claims"] = p.rdv.num_claims
+                out["orphans"] = len(p.orphans)
             return out
         return self.thread.call(read, timeout) if self.thread.alive else read()
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Start one prefill (P) and one decode (D) vLLM server with KVPushConnector, and kv-push-router
-# in front of them; wait until all three are healthy; print the router URL.
+# Start one prefill (P) and one decode (D) vLLM server with KVPushConnector (or, for comparisons,
+# vLLM's own NixlConnector / NixlPushConnector: SYSTEM), and kv-push-router in front of them; wait
+# until all three are healthy; print the router URL.
 #
 #   examples/serve_pd.sh              # CPU: tiny local model, P on core 0, D on core 1
 #   curl -s "$(cat /tmp/kv-push-pd/router.url)/v1/completions" -H 'Content-Type: application/json' \
@@ -8,6 +9,10 @@
 #   examples/cleanup.sh               # stops everything this script started
 #
 # Every setting is an environment variable (defaults in brackets):
+#   SYSTEM           push: KVPushConnector, router --mode push;
+#                    pull: vLLM NixlConnector, router --mode pull (P first, then D reads);
+#                    upstream-push: vLLM NixlPushConnector, router --mode upstream-push with P's
+#                    engine id fixed (UPSTREAM_ENGINE_ID) [push]
 #   MODEL            model dir or hub id [unset: build the tiny random model, CPU only]
 #   SERVED_NAME      --served-model-name [tiny]
 #   PYTHON           interpreter with vLLM and kv_push installed [.venv/bin/python]
@@ -61,6 +66,12 @@ D_KV_PORT=${D_KV_PORT:-5610}
 P_CPUS=${P_CPUS:-0}
 D_CPUS=${D_CPUS:-1}
 KV_PUSH_BACKEND=${KV_PUSH_BACKEND:-host}
+SYSTEM=${SYSTEM:-push}
+UPSTREAM_ENGINE_ID=${UPSTREAM_ENGINE_ID:-kv-push-upstream-p-$P_KV_PORT}
+case "$SYSTEM" in
+  push|pull|upstream-push) ;;
+  *) echo "serve_pd.sh: SYSTEM must be push, pull or upstream-push, got '$SYSTEM'" >&2; exit 2 ;;
+esac
 NIXL_BACKENDS=${NIXL_BACKENDS:-}
 SERVED_NAME=${SERVED_NAME:-tiny}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
@@ -91,8 +102,21 @@ if [ -z "${MODEL:-}" ]; then
   "$PYTHON" "$REPO/examples/make_tiny_model.py" "$MODEL"
 fi
 
-# kv_connector_extra_config: the side channel, and nixl_backends when given
+# --kv-transfer-config of one server. push: our connector, its side channel (and nixl_backends
+# when given) in kv_connector_extra_config; pull / upstream-push: vLLM's connector, whose side
+# channel is set by VLLM_NIXL_SIDE_CHANNEL_HOST/PORT (see serve), P's engine id fixed for
+# upstream-push so that the router can be told it.
 kv_config() {  # $1 role, $2 side-channel port
+  if [ "$SYSTEM" != push ]; then
+    local connector=NixlConnector engine=""
+    if [ "$SYSTEM" = upstream-push ]; then
+      connector=NixlPushConnector
+      if [ "$1" = kv_producer ]; then engine=", \"engine_id\": \"$UPSTREAM_ENGINE_ID\""; fi
+    fi
+    printf '{"kv_connector": "%s", "kv_role": "%s", "kv_buffer_device": "%s"%s}' \
+      "$connector" "$1" "$KV_BUFFER_DEVICE" "$engine"
+    return
+  fi
   local extra="\"side_channel_host\": \"$KV_HOST\", \"side_channel_port\": $2"
   if [ -n "$NIXL_BACKENDS" ]; then
     extra="$extra, \"nixl_backends\": \"$NIXL_BACKENDS\""
@@ -131,6 +155,7 @@ placement_env() {
 serve() {  # $1 name, $2 P|D, $3 port, $4 role, $5 side-channel port
   # shellcheck disable=SC2046,SC2086
   start "$1" env $(placement_env "$2") KV_PUSH_BACKEND="$KV_PUSH_BACKEND" PYTHONUNBUFFERED=1 \
+    VLLM_NIXL_SIDE_CHANNEL_HOST="$KV_HOST" VLLM_NIXL_SIDE_CHANNEL_PORT="$5" \
     "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name "$SERVED_NAME" --host "$HOST" --port "$3" \
     --max-model-len "$MAX_MODEL_LEN" $EXTRA_VLLM_ARGS \
@@ -168,12 +193,13 @@ D_URL="http://$(reach "$HOST"):$D_PORT"
 wait_healthy prefill "$P_URL"
 wait_healthy decode "$D_URL"
 
-start router env PYTHONUNBUFFERED=1 "$PYTHON" -m kv_push.common.router --mode push \
-  --host "$ROUTER_HOST" --port "$ROUTER_PORT" \
-  --prefill "$P_URL,kv=$KV_HOST:$P_KV_PORT" --decode "$D_URL"
+P_SPEC="$P_URL,kv=$KV_HOST:$P_KV_PORT"
+if [ "$SYSTEM" = upstream-push ]; then P_SPEC="$P_SPEC,engine_id=$UPSTREAM_ENGINE_ID"; fi
+start router env PYTHONUNBUFFERED=1 "$PYTHON" -m kv_push.common.router --mode "$SYSTEM" \
+  --host "$ROUTER_HOST" --port "$ROUTER_PORT" --prefill "$P_SPEC" --decode "$D_URL"
 ROUTER_URL="http://$(reach "$ROUTER_HOST"):$ROUTER_PORT"
 wait_healthy router "$ROUTER_URL"
 trap - ERR INT TERM
 
 echo "$ROUTER_URL" > "$RUN_DIR/router.url"
-echo "router: $ROUTER_URL   (model name: $SERVED_NAME; stop with RUN_DIR=$RUN_DIR examples/cleanup.sh)"
+echo "router: $ROUTER_URL   (system $SYSTEM; model name: $SERVED_NAME; stop with RUN_DIR=$RUN_DIR examples/cleanup.sh)"

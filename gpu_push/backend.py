@@ -14,12 +14,13 @@ import logging
 import os
 from typing import Any
 
-from kv_push.common.backend import BackendError
+from kv_push.common.backend import BackendError, verify_regions
 from kv_push.common.geometry import KVGeometry
 
 logger = logging.getLogger(__name__)
 
-NIXL_BACKENDS = ("UCX", "LIBFABRIC")
+#: the NIXL backends that can register CUDA memory
+CUDA_NIXL_BACKENDS = ("UCX", "LIBFABRIC")
 CUDA_UCX_TLS = ("cuda_ipc", "cuda_copy")
 
 
@@ -78,15 +79,20 @@ class CudaDriver:
 
 
 class CudaBackend:
-    """KV cache in CUDA device memory (needs torch with a usable CUDA device)."""
+    """KV cache in CUDA device memory (needs torch with a usable CUDA device).
+
+    ``nixl_backends``: from ``CUDA_NIXL_BACKENDS``, preferred first. ``driver``: answers
+    ``pointer_device`` and ``allocation_range`` as ``CudaDriver`` does (tests pass a stand-in).
+    """
 
     name = "cuda"
     mem_type = "VRAM"
+    nixl_progress_thread = False
 
-    def __init__(self, nixl_backends: tuple[str, ...] = ("UCX", "LIBFABRIC"), driver: Any = None):
-        if not nixl_backends or any(b not in NIXL_BACKENDS for b in nixl_backends):
-            raise BackendError(f"cuda backend: nixl_backends must be from {NIXL_BACKENDS}, got "
-                               f"{nixl_backends}")
+    def __init__(self, nixl_backends: tuple[str, ...] = CUDA_NIXL_BACKENDS, driver: Any = None):
+        if not nixl_backends or any(b not in CUDA_NIXL_BACKENDS for b in nixl_backends):
+            raise BackendError(f"cuda backend: nixl_backends must be from "
+                               f"{CUDA_NIXL_BACKENDS}, got {nixl_backends}")
         #: NIXL backends that can register CUDA memory, preferred first
         self.nixl_backends = tuple(nixl_backends)
         self.driver = driver if driver is not None else CudaDriver()
@@ -125,25 +131,22 @@ class CudaBackend:
         return int(torch.cuda.current_device())
 
     def verify_registration(self, geometry: KVGeometry) -> None:
-        if geometry.mem_type != "VRAM":
-            raise BackendError(f"cuda backend got {geometry.mem_type} memory, expected VRAM")
+        verify_regions(self, geometry, lambda addr: self._check_device_address(addr, geometry))
+        # UCX cuda_ipc maps the allocation of a region's first byte: a region must not cross
+        # allocations (two adjacent per-layer tensors are two allocations)
         for base, length in geometry.regions():
-            for addr in (base, base + length - 1):
-                ordinal = self.driver.pointer_device(addr)
-                if ordinal is None:
-                    raise BackendError(
-                        f"KV address {addr:#x} (region {base:#x}+{length}) is not CUDA device "
-                        "memory (cuPointerGetAttribute): it cannot be registered as VRAM"
-                    )
-                if ordinal != geometry.dev_id:
-                    raise BackendError(
-                        f"KV address {addr:#x} is on GPU {ordinal}, but the geometry says "
-                        f"dev_id {geometry.dev_id}"
-                    )
-            # UCX cuda_ipc maps the allocation of a region's first byte: a region must not
-            # cross allocations (two adjacent per-layer tensors are two allocations)
-            span = getattr(self.driver, "allocation_range", lambda a: None)(base)
+            span = self.driver.allocation_range(base)
             if span is not None and base + length > span[0] + span[1]:
                 raise BackendError(
                     f"KV region {base:#x}+{length} crosses CUDA allocations (the one at its "
                     f"start ends at {span[0] + span[1]:#x}); it cannot be registered as one")
+
+    def _check_device_address(self, addr: int, geometry: KVGeometry) -> None:
+        ordinal = self.driver.pointer_device(addr)
+        if ordinal is None:
+            raise BackendError(
+                f"KV address {addr:#x} is not CUDA device memory (cuPointerGetAttribute): it "
+                "cannot be registered as VRAM")
+        if ordinal != geometry.dev_id:
+            raise BackendError(f"KV address {addr:#x} is on GPU {ordinal}, but the geometry says "
+                               f"dev_id {geometry.dev_id}")

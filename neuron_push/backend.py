@@ -35,7 +35,7 @@ import logging
 import os
 from typing import Any
 
-from kv_push.common.backend import BackendError
+from kv_push.common.backend import BackendError, verify_regions
 from kv_push.common.geometry import KVGeometry
 
 from . import libfabric as lf
@@ -134,9 +134,6 @@ class NeuronRuntime:
         buf, size = ctypes.create_string_buffer(64), ctypes.c_size_t(64)
         rc = self._load().nrt_get_attached_efa_bdf(ctypes.c_void_p(addr), buf, ctypes.byref(size))
         return buf.value.decode() if rc == NRT_SUCCESS else None
-
-    def is_device_address(self, addr: int) -> bool:
-        return self.efa_device(addr) is not None
 
     def device_index(self, tensor: Any) -> int:
         device = tensor.device
@@ -328,22 +325,19 @@ class NeuronBackend:
         return self.runtime.device_index(tensor)
 
     def verify_registration(self, geometry: KVGeometry) -> None:
-        if geometry.mem_type != "VRAM":
-            raise BackendError(f"neuron backend got {geometry.mem_type} memory, expected VRAM")
-        rails = set()
-        for base, length in geometry.regions():
-            # nrt_get_attached_efa_bdf is documented for an allocation's address; a region's base
-            # is what NIXL's LIBFABRIC backend passes it when registering that region
-            for addr in (base,):
-                efa = self.runtime.efa_device(addr)
-                if efa is None:
-                    raise BackendError(
-                        f"KV address {addr:#x} (region {base:#x}+{length}) is not Neuron HBM "
-                        "according to the Neuron runtime (nrt_get_attached_efa_bdf): registering "
-                        "it as VRAM would move host memory or fail"
-                    )
-                rails.add(efa)
+        # nrt_get_attached_efa_bdf is documented for an allocation's address; a region's base is
+        # what NIXL's LIBFABRIC backend passes it when registering that region: probe only that
+        rails = set(verify_regions(self, geometry, self._efa_of, last_byte=False))
         logger.info(
             "kv_push neuron: tp_rank %d KV (%d regions) is Neuron HBM on device %d, EFA %s",
             geometry.tp_rank, len(geometry.regions()), geometry.dev_id, ", ".join(sorted(rails)),
         )
+
+    def _efa_of(self, addr: int) -> str:
+        efa = self.runtime.efa_device(addr)
+        if efa is None:
+            raise BackendError(
+                f"KV address {addr:#x} is not Neuron HBM according to the Neuron runtime "
+                "(nrt_get_attached_efa_bdf): registering it as VRAM would move host memory or fail"
+            )
+        return efa

@@ -1,7 +1,7 @@
 """A fake vLLM OpenAI server for router tests: records requests, delays, fails, streams SSE.
 
 ``FakeVLLM(name, role)`` builds a FastAPI app (``.app``) serving ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models`` and ``/health``. Its behaviour is set through
+``/v1/chat/completions``, ``/v1/models``, ``/tokenize`` and ``/health``. Its behaviour is set through
 ``.behavior`` (mutable between requests) and every request is kept in ``.records`` with its body,
 headers, monotonic start/end times, the bytes it sent, and whether the client went away before
 the response was complete (``disconnected``) -- which is how tests see that the router cancelled
@@ -79,6 +79,7 @@ class FakeVLLM:
         self.app.post("/v1/completions")(self._completions)
         self.app.post("/v1/chat/completions")(self._chat)
         self.app.get("/v1/models")(self._models)
+        self.app.post("/tokenize")(self._tokenize)
         self.app.get("/health")(lambda: Response(status_code=200))
         self.app.get("/metrics")(lambda: Response(self.behavior.metrics_text,
                                                   media_type="text/plain"))
@@ -94,6 +95,13 @@ class FakeVLLM:
     async def _models(self) -> JSONResponse:
         return JSONResponse({"object": "list",
                              "data": [{"id": "fake-model", "owned_by": self.name}]})
+
+    async def _tokenize(self, request: Request) -> JSONResponse:
+        """One token per character; the server's name and the caller's ``Authorization``."""
+        prompt = json.loads(await request.body())["prompt"]
+        return JSONResponse({"tokens": [ord(ch) for ch in prompt], "count": len(prompt),
+                             "server": self.name,
+                             "authorization": request.headers.get("authorization")})
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         body = json.loads(await request.body())

@@ -61,6 +61,7 @@ class FakeTransport:
         self.wire = wire
         self.agent_name = name
         self.nixl_version = ""  # no NIXL under it: peers on fakes pair with each other
+        self.first_call_waits_for_peer = False
         wire.queues[name] = queue.SimpleQueue()
         self.peers: set[str] = set()
         self.removed: list[str] = []

@@ -137,9 +137,6 @@ class FakeNeuronRuntime:
                 return self.efa_by_device[device]
         return None
 
-    def is_device_address(self, addr: int) -> bool:
-        return self.efa_device(addr) is not None
-
     def device_index(self, tensor) -> int:
         if tensor.device.type not in ("neuron", "privateuseone"):
             raise BackendError(f"neuron backend got a tensor on {tensor.device}")

@@ -20,12 +20,17 @@ import torch
 from kv_push.common import geometry as G
 from kv_push.common.backend import (
     BACKEND_ENV,
+    BACKENDS,
+    NIXL_BACKENDS,
     BackendError,
     HostBackend,
-    describe_kv_caches,
+    KVBackend,
     select_backend,
+    verify_regions,
 )
+from kv_push.common.config import PushConfig
 from kv_push.common.geometry import GeometryError, KVGeometry
+from kv_push.common.kv_tensors import describe_kv_caches
 from kv_push.gpu_push.backend import CudaBackend, ucx_tls_missing_cuda
 from kv_push.neuron_push.backend import NeuronBackend
 from neuron_standin import FakeNeuronRuntime
@@ -38,6 +43,80 @@ def vector_addr(g: KVGeometry, layer: int, kv: int, block: int, token: int, head
     base = (g.k_bases if kv == 0 else g.v_bases)[layer] + block * g.block_stride
     index = token * g.local_heads + head if g.token_order == "NHD" else head * g.block_size + token
     return base + index * g.vec_bytes
+
+
+# -- the seam and the table -----------------------------------------------------------------
+
+
+def test_every_backend_in_the_table_loads_and_honours_the_seam():
+    members = [n for n in vars(KVBackend) if not n.startswith("_")]
+    members += list(KVBackend.__annotations__)
+    for name, spec in BACKENDS.items():
+        module, _, attr = spec.partition(":")
+        cls = getattr(__import__(module, fromlist=[attr]), attr)
+        assert cls.name == name
+        assert cls.mem_type in ("DRAM", "VRAM")
+        assert isinstance(cls.available(), bool)
+        assert PushConfig(backend=name).validate().backend == name  # the config knows it
+        for m in members:
+            assert hasattr(cls, m) or m == "nixl_backends", f"{cls.__name__} lacks {m}"
+    # instance attribute for cuda (configurable), class attribute for the others
+    for backend in (HostBackend(), CudaBackend(), NeuronBackend(runtime=ready_runtime())):
+        assert backend.nixl_backends and set(backend.nixl_backends) <= set(NIXL_BACKENDS)
+    assert list(BACKENDS)[-1] == "host"  # detection falls back to host, always available
+
+
+def test_every_seam_method_is_documented():
+    import inspect
+
+    for name in ("available", "prepare", "device_id", "verify_registration"):
+        doc = inspect.getdoc(getattr(KVBackend, name)) or ""
+        params = [p for p in inspect.signature(getattr(KVBackend, name)).parameters
+                  if p not in ("self", "cls")]
+        assert all(f"{p}:" in doc for p in params), name
+        assert "Returns:" in doc or "Raises:" in doc, name
+
+
+class Probe:
+    """A per-address check: memory is the given ranges, named by what serves them."""
+
+    def __init__(self, ranges):
+        self.ranges, self.asked = ranges, []
+
+    def __call__(self, addr):
+        self.asked.append(addr)
+        for base, n, what in self.ranges:
+            if base <= addr < base + n:
+                return what
+        raise BackendError(f"KV address {addr:#x} is not device memory")
+
+
+def _vram(bases=(1 << 40, (1 << 40) + 4096), num_blocks=2, mem_type="VRAM"):
+    return G.kv_split(layer_bases=[bases], num_kv_heads=1, head_size=8, dtype_bytes=2,
+                      dtype="bfloat16", block_size=4, num_blocks=num_blocks, mem_type=mem_type)
+
+
+def test_verify_regions_checks_both_ends_of_every_region():
+    backend = NeuronBackend(runtime=ready_runtime())
+    g = _vram()
+    (k, klen), (v, vlen) = g.regions()
+    probe = Probe([(k, klen, "rail-k"), (v, vlen, "rail-v")])
+    assert verify_regions(backend, g, probe) == ["rail-k", "rail-k", "rail-v", "rail-v"]
+    assert probe.asked == [k, k + klen - 1, v, v + vlen - 1]
+    short = Probe([(k, klen, "rail-k"), (v, vlen - 1, "rail-v")])  # V's last byte is not HBM
+    with pytest.raises(BackendError, match=rf"{v + vlen - 1:#x} is not device memory "
+                                           rf"\[KV region {v:#x}\+{vlen}, tp_rank 0\]"):
+        verify_regions(backend, g, short)
+
+
+def test_verify_regions_checks_the_memory_type_first():
+    probe = Probe([])
+    with pytest.raises(BackendError, match="neuron backend got DRAM memory, expected VRAM"):
+        verify_regions(NeuronBackend(runtime=ready_runtime()), _vram(mem_type="DRAM"), probe)
+    assert probe.asked == []
+    with pytest.raises(BackendError, match="host backend got VRAM memory, expected DRAM"):
+        HostBackend().verify_registration(_vram())
+    HostBackend().verify_registration(_vram(mem_type="DRAM"))
 
 
 # -- selection ------------------------------------------------------------------------------
@@ -146,6 +225,12 @@ class FakeCudaDriver:
                 return ordinal
         return None
 
+    def allocation_range(self, addr):
+        for base, n, _ in self.ranges:
+            if base <= addr < base + n:
+                return base, n
+        return None
+
 
 def test_cuda_verify_registration_rejects_host_and_wrong_gpu():
     g = G.kv_split(layer_bases=[(1 << 40, (1 << 40) + 4096)], num_kv_heads=2, head_size=8,
@@ -164,6 +249,17 @@ def test_cuda_verify_registration_rejects_host_and_wrong_gpu():
             G.kv_split(layer_bases=[(4096, 8192)], num_kv_heads=1, head_size=8, dtype_bytes=2,
                        dtype="bfloat16", block_size=4, num_blocks=2)
         )
+
+
+def test_cuda_verify_registration_rejects_a_region_crossing_allocations():
+    g = G.kv_split(layer_bases=[(1 << 40, (1 << 40) + 4096)], num_kv_heads=2, head_size=8,
+                   dtype_bytes=2, dtype="bfloat16", block_size=16, num_blocks=8,
+                   mem_type="VRAM", dev_id=0)
+    (k, klen), (v, vlen) = g.regions()
+    # both ends are device memory of GPU 0, but K's region runs from one allocation into the next
+    two = FakeCudaDriver([(k, klen // 2, 0), (k + klen // 2, v + vlen - k - klen // 2, 0)])
+    with pytest.raises(BackendError, match="crosses CUDA allocations"):
+        CudaBackend(driver=two).verify_registration(g)
 
 
 def test_cuda_device_id_rejects_cpu_tensors():

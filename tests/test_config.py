@@ -8,8 +8,11 @@ import pytest
 
 from kv_push.common.config import ConfigError, PushConfig
 
-ENV_VARS = ("KV_PUSH_SECRET", "KV_PUSH_SIDE_CHANNEL_HOST", "KV_PUSH_SIDE_CHANNEL_PORT",
-            "KV_PUSH_BACKEND")
+ENV_VARS = ("KV_PUSH_SECRET", "KV_PUSH_SECRET_FILE", "KV_PUSH_SIDE_CHANNEL_HOST",
+            "KV_PUSH_SIDE_CHANNEL_PORT", "KV_PUSH_BACKEND")
+#: fields kv_connector_extra_config cannot set as plain values: the secret comes from the
+#: environment (or the file that secret_file names; tested below)
+NOT_IN_TABLE = {"secret", "secret_file"}
 
 # field -> [(value as given in kv_connector_extra_config, value expected in PushConfig)]
 SETTABLE = {
@@ -25,8 +28,8 @@ SETTABLE = {
     "rendezvous_ttl_s": [("30", 30.0), (45.5, 45.5)],
     "transfer_timeout_s": [("12.5", 12.5), (1, 1.0)],
     "handshake_timeout_s": [("2", 2.0), (0.5, 0.5)],
-    "secret": [("s3cret", b"s3cret"), (b"\x00\xffraw", b"\x00\xffraw"), ("ключ", "ключ".encode()),
-               (bytearray(b"ba"), b"ba")],
+    "cancel_retry_s": [("0.5", 0.5), (2, 2.0)],
+    "fence_timeout_s": [("45", 45.0), (10.5, 10.5)],
     "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
                   ("false", False), ("No", False), ("0", False), (False, False)],
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
@@ -36,7 +39,7 @@ SETTABLE = {
 
 
 def test_table_covers_every_field():
-    assert set(SETTABLE) == {f.name for f in dataclasses.fields(PushConfig)}
+    assert set(SETTABLE) | NOT_IN_TABLE == {f.name for f in dataclasses.fields(PushConfig)}
 
 
 def test_defaults_are_valid():
@@ -75,9 +78,45 @@ def test_all_fields_at_once():
         assert getattr(c, k) == cases[0][1], k
 
 
-def test_secret_not_in_repr():
-    c = PushConfig.from_sources({"secret": "hunter2-very-secret"}, env={})
-    assert "hunter2" not in repr(c)
+@pytest.mark.parametrize("raw,want", [("s3cret", b"s3cret"), ("ключ", "ключ".encode())])
+def test_secret_from_the_environment(raw, want):
+    assert PushConfig.from_sources({}, env={"KV_PUSH_SECRET": raw}).secret == want
+
+
+def test_secret_not_in_repr_or_str():
+    c = PushConfig.from_sources({}, env={"KV_PUSH_SECRET": "hunter2-very-secret"})
+    assert c.secret == b"hunter2-very-secret"
+    assert "hunter2" not in repr(c) and "hunter2" not in str(c)
+
+
+@pytest.mark.parametrize("value", ["hunter2-very-secret", b"hunter2-very-secret", 1234, None])
+def test_secret_in_extra_config_is_refused_with_the_reason(value):
+    """vLLM prints kv_connector_extra_config in its "non-default args" line: a key there is a
+    key in the logs. Refused at start-up, saying why and what to do, never quoting it."""
+    with pytest.raises(ConfigError) as e:
+        PushConfig.from_sources({"secret": value}, env={"KV_PUSH_SECRET": "x"})
+    msg = str(e.value)
+    assert "non-default args" in msg and "KV_PUSH_SECRET" in msg and "secret_file" in msg
+    assert "hunter2" not in msg
+
+
+def test_secret_file(tmp_path):
+    f = tmp_path / "kv.key"
+    f.write_bytes(b"\x00from-file\xff\n")
+    for extra, env in (({"secret_file": str(f)}, {}), ({}, {"KV_PUSH_SECRET_FILE": str(f)})):
+        c = PushConfig.from_sources(extra, env=env)
+        assert c.secret == b"\x00from-file\xff"  # the trailing newline is not part of the key
+        assert "from-file" not in repr(c)
+    # both a variable and a file: ambiguous
+    with pytest.raises(ConfigError, match="use one") as e:
+        PushConfig.from_sources({"secret_file": str(f)}, env={"KV_PUSH_SECRET": "other"})
+    assert "other" not in str(e.value) and "from-file" not in str(e.value)
+    # unusable files are named, their contents never shown
+    with pytest.raises(ConfigError, match="cannot read"):
+        PushConfig.from_sources({"secret_file": str(tmp_path / "missing")}, env={})
+    (tmp_path / "empty").write_bytes(b"\n")
+    with pytest.raises(ConfigError, match="empty"):
+        PushConfig.from_sources({"secret_file": str(tmp_path / "empty")}, env={})
 
 
 @pytest.mark.parametrize("key", ["side_chanel_port", "heartbeat_interval", "SECRET", "", "tp_size"])
@@ -96,6 +135,9 @@ def test_unknown_key_is_named(key):
     ("rendezvous_ttl_s", -5),
     ("transfer_timeout_s", "-0.1"),
     ("handshake_timeout_s", 0.0),
+    ("cancel_retry_s", 0),
+    ("fence_timeout_s", "-1"),
+    ("fence_timeout_s", 0.5),  # not above cancel_retry_s (1.0)
     ("idle_poll_s", -0.001),
     ("max_post_bytes", 0),
     ("max_post_regions", -1),
@@ -118,6 +160,9 @@ def test_unknown_key_is_named(key):
     ("colocated", ""),
     ("secret", 1234),
     ("secret", None),
+    ("secret", "in-the-dict"),
+    ("max_side_channel_connections", 0),
+    ("max_side_channel_connections", "many"),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:
@@ -135,8 +180,7 @@ def test_validate_catches_direct_construction():
 
 
 def test_env_overrides_win_over_dict():
-    extra = {"secret": "from-dict", "side_channel_host": "dict-host", "side_channel_port": 1111,
-             "backend": "host"}
+    extra = {"side_channel_host": "dict-host", "side_channel_port": 1111, "backend": "host"}
     env = {"KV_PUSH_SECRET": "from-env", "KV_PUSH_SIDE_CHANNEL_HOST": "env-host",
            "KV_PUSH_SIDE_CHANNEL_PORT": "2222", "KV_PUSH_BACKEND": "neuron",
            "KV_PUSH_HEARTBEAT_INTERVAL_S": "99", "UNRELATED": "x"}
@@ -150,9 +194,9 @@ def test_env_alone_and_empty_env_ignored():
     c = PushConfig.from_sources({}, env={"KV_PUSH_SECRET": "k", "KV_PUSH_BACKEND": "cuda"})
     assert (c.secret, c.backend) == (b"k", "cuda")
     # an empty variable does not override the dict
-    c = PushConfig.from_sources({"backend": "host", "secret": "d"},
+    c = PushConfig.from_sources({"backend": "host"},
                                 env={"KV_PUSH_BACKEND": "", "KV_PUSH_SECRET": ""})
-    assert (c.backend, c.secret) == ("host", b"d")
+    assert (c.backend, c.secret) == ("host", b"")
 
 
 def test_reads_os_environ_by_default(monkeypatch):

@@ -12,6 +12,7 @@ from kv_push.common.connector_scheduler import (
     PushScheduler,
     TransferParams,
     TransferParamsError,
+    prompt_digest,
 )
 
 BS = 16
@@ -125,40 +126,6 @@ def test_decoder_abort_before_it_was_ever_scheduled_still_releases_p():
     assert not s.take_plan()
 
 
-def test_vllms_rejection_notice_for_a_handled_request_sends_no_second_registration():
-    """vLLM's API server submits a pre-aborted copy of a request's kv_transfer_params under a
-    new request id when the handler fails or is cancelled -- also when the real request reached
-    the engine (a client hanging up). That copy must not register the transfer id again: on the
-    decoder a second registration displaced the live want, whose CancelAck was then dropped as
-    stale and its blocks stayed fenced (the e2e abort-storm leak)."""
-    s = decoder()
-    real = req("cmpl-t1-0-abcd", dict(D_PARAMS))
-    s.get_num_new_matched_tokens(real, 0)
-    s.update_state_after_alloc(real, list(range(7)), 100)
-    assert [e.key for e in s.take_plan().expects] == ["cmpl-t1-0-abcd"]
-    s.request_finished(real, list(range(7)), finished_ok=False)  # the client hung up
-    notice = req("820969e4f141d096", dict(D_PARAMS), prompt_len=1)
-    assert s.request_finished(notice, [], finished_ok=False) == (False, None)
-    plan = s.take_plan()
-    assert plan.cancels == ["cmpl-t1-0-abcd"] and plan.expects == []
-    # the notice first, then the real request, aborted before it was ever scheduled: one release
-    s.request_finished(req("5d6e7f", dict(D_PARAMS, transfer_id="t2"), prompt_len=1), [], False)
-    s.request_finished(req("cmpl-t2-0-ef01", dict(D_PARAMS, transfer_id="t2")), [], False)
-    (e,) = s.take_plan().expects
-    assert e.key == RELEASE_KEY_PREFIX + "5d6e7f" and e.transfer_id == "t2"
-
-
-def test_transfer_ids_told_are_forgotten_after_a_while():
-    from kv_push.common.connector_scheduler import TOLD_TTL_S
-    clock = SimpleNamespace(t=0.0)
-    s = PushScheduler(is_producer=False, is_decoder=True, block_size=BS, clock=lambda: clock.t)
-    s.request_finished(req("a", dict(D_PARAMS)), [], finished_ok=False)
-    assert len(s.take_plan().expects) == 1
-    clock.t = TOLD_TTL_S + 1  # long after any producer forgot the transfer
-    s.request_finished(req("b", dict(D_PARAMS)), [], finished_ok=False)
-    assert [e.key for e in s.take_plan().expects] == [RELEASE_KEY_PREFIX + "b"]
-
-
 def test_decoder_rejects_a_block_list_too_short_for_the_tokens():
     s = decoder()
     r = req("r1", dict(D_PARAMS), prompt_len=100)
@@ -181,17 +148,188 @@ def test_producer_keeps_blocks_until_sent_and_reports_aborts():
     assert not s.has_pending_work()
     r2 = req("p2", dict(P_PARAMS, transfer_id="t2"))
     assert s.request_finished(r2, [1], finished_ok=False) == (False, None)
-    assert s.take_plan().prefill_aborts == ["t2"]
+    (abort,) = s.take_plan().prefill_aborts
+    assert (abort.req_id, abort.transfer_id, abort.capacity) == ("p2", "t2", 1)
+    assert abort.prompt_digest == prompt_digest(list(range(100)))
+
+
+def test_both_halves_name_a_prompt_by_the_same_digest():
+    # issue 9 item 1: a prompt list / n > 1 shares kv_transfer_params; the digest of the token ids
+    # tells the prompts apart and is the same on P and D
+    assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3)) != prompt_digest([1, 2, 4])
+    assert prompt_digest([]) != prompt_digest([0]) and prompt_digest(None) == ""
+    p, d = producer(), decoder()
+    prompts = {"a": list(range(100)), "b": list(range(1, 101))}
+    for name, ids in prompts.items():
+        r = req(f"p-{name}", dict(P_PARAMS), prompt_len=100, computed=100)
+        r.prompt_token_ids = ids
+        p.request_finished(r, [1, 2, 3, 4, 5, 6, 7], finished_ok=True)
+        r = req(f"d-{name}", dict(D_PARAMS), prompt_len=100)
+        r.prompt_token_ids = ids
+        d.get_num_new_matched_tokens(r, 0)
+        d.update_state_after_alloc(r, list(range(7)), 100)
+    pre = {x.req_id: x.prompt_digest for x in p.take_plan().prefills}
+    exp = {x.key: x.prompt_digest for x in d.take_plan().expects}
+    assert pre["p-a"] == exp["d-a"] != pre["p-b"] == exp["d-b"]
+
+
+@pytest.mark.parametrize("fanout", [0, -1, 1025, "2", 1.5, True])
+def test_bad_fanout_is_rejected(fanout):
+    with pytest.raises(TransferParamsError, match="fanout"):
+        TransferParams.parse(dict(P_PARAMS, fanout=fanout))
+
+
+def test_the_producer_legs_fanout_is_each_prefills_capacity():
+    s = producer()
+    r = req("p1", dict(P_PARAMS, fanout=4), computed=100)
+    s.request_finished(r, [1, 2, 3, 4, 5, 6, 7], finished_ok=True)
+    assert s.take_plan().prefills[0].capacity == 4
+    r2 = req("p2", dict(P_PARAMS, transfer_id="t2", fanout=3))
+    s.request_finished(r2, [], finished_ok=False)
+    assert s.take_plan().prefill_aborts[0].capacity == 3
+
+
+def test_a_decoder_request_asked_again_registers_a_new_attempt_under_its_id():
+    # issue 9 item 7: the connector always sent attempt 0
+    s = decoder()
+    r = req("r1", dict(D_PARAMS))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(7)), 100)
+    assert [(e.key, e.attempt) for e in s.take_plan().expects] == [("r1", 0)]
+    # vLLM dropped that allocation and schedules the request again
+    assert s.get_num_new_matched_tokens(r, 0) == (100, True)
+    s.update_state_after_alloc(r, list(range(10, 17)), 100)
+    (e,) = s.take_plan().expects
+    assert (e.key, e.attempt, e.block_ids) == ("r1", 1, tuple(range(10, 17)))
+    # ends before its KV arrived: the (current) attempt is cancelled, not a release-only one
+    s.request_finished(r, [], finished_ok=False)
+    assert s.take_plan().cancels == ["r1"]
+
+
+def test_a_decoder_request_asked_again_with_nothing_left_to_receive_is_abandoned():
+    s = decoder()
+    r = req("r1", dict(D_PARAMS), prompt_len=64)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(4)), 64)
+    s.take_plan()
+    assert s.get_num_new_matched_tokens(r, 64) == (0, False)  # now all cached locally
+    plan = s.take_plan()
+    assert plan.abandons == ["r1"] and not plan.expects and not plan.cancels
+    assert s.request_finished(r, [], finished_ok=True) == (False, None)
+    assert not s.take_plan()
+
+
+class StubWorker:
+    """What PushConnectorWorker hands work to (a PushWorker), recorded."""
+
+    producer = None
+
+    def __init__(self):
+        self.calls, self.outcomes = [], []
+        self.decoder = self
+
+    def expect(self, *args, **kw):
+        self.calls.append(("expect", args[0], kw))
+
+    def cancel(self, key, reason):
+        self.calls.append(("cancel", key, reason))
+
+    def drain_outcomes(self):
+        out, self.outcomes = self.outcomes, []
+        return out
+
+
+def test_the_outcome_of_an_abandoned_request_is_not_reported_to_vllm():
+    # vLLM asserts on finished_recving for a request that is running (not waiting for KV)
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.connector_worker import PushConnectorWorker
+    from kv_push.common.decoder import Outcome
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16")
+    cw.worker = stub = StubWorker()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32, "dg"),
+                                Expect("r2", "t1", 0, "h", 1, (3, 4), 0, 32, "dg")]))
+    cw.handle(StepPlan(abandons=["r1"]))
+    assert stub.calls[0] == ("expect", "r1", {"prompt_digest": "dg"})
+    assert stub.calls[-1] == ("cancel", "r1", "request re-scheduled to compute locally")
+    stub.outcomes = [Outcome("r1", "released", "x"), Outcome("r2", "failed", "y")]
+    assert cw.get_finished() == (set(), {"r2"}, {"r2"})
+    assert cw.take_load_errors() == {3, 4}
+
+
+def test_a_superseded_attempts_outcome_is_not_reported_to_vllm():
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.connector_worker import PushConnectorWorker
+    from kv_push.common.decoder import Outcome
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16")
+    cw.worker = stub = StubWorker()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32)]))
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 1, "h", 1, (5, 6), 0, 32)]))
+    stub.outcomes = [Outcome("r1", "received", attempt=0)]  # on its way before attempt 1
+    assert cw.get_finished() == (set(), set(), set())
+    stub.outcomes = [Outcome("r1", "failed", "x", attempt=1)]
+    assert cw.get_finished() == (set(), {"r1"}, {"r1"})
+    assert cw.take_load_errors() == {5, 6}
+
+
+def vllm_config(extra, role="kv_consumer"):
+    ktc = SimpleNamespace(kv_connector_extra_config=extra, kv_role=role, engine_id="e",
+                          is_kv_producer=role == "kv_producer")
+    return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+
+
+def test_scheduler_half_counts_bad_params_into_vllm_stats_and_metrics():
+    """The scheduler process has no transfer thread: its own counters must reach vLLM's stats
+    (vLLM's scheduler adds the scheduler half's ``get_kv_connector_stats`` to the workers')."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kv_push.common.connector import KVPushConnector
+    from kv_push.common.connector_stats import KVPushPromMetrics, KVPushStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    c = KVPushConnector(vllm_config({}), KVConnectorRole.SCHEDULER, None)
+    assert c.get_kv_connector_stats() is None  # nothing counted yet
+    bad = req("r", {"transfer_id": "t", "do_remote_prefill": True, "remote_port": 1})
+    assert c.get_num_new_matched_tokens(bad, 0) == (0, False)  # served locally
+    assert c.get_num_new_matched_tokens(bad, 0) == (0, False)  # scheduled again: not recounted
+    from vllm.v1.request import RequestStatus
+
+    bad.status = RequestStatus.FINISHED_STOPPED
+    assert c.request_finished(bad, []) == (False, None)  # parses them again: still one request
+    stats = c.get_kv_connector_stats()
+    assert stats.data == {"rejected": 1.0, "rejected{bad_transfer_params}": 1.0}
+    assert c.get_kv_connector_stats() is None  # reset once handed over
+    # as vLLM does: the workers' stats of the step, plus the scheduler half's, into Prometheus
+    workers = KVPushStats(data={"transfers_done": 2.0, "rejected": 1.0,
+                                "rejected{unknown_peer}": 1.0})
+    registry = CollectorRegistry()
+
+    def counter(*args, **kw):
+        return Counter(*args, registry=registry, **kw)
+
+    prom = KVPushPromMetrics(vllm_config({}), {Gauge: Gauge, Counter: counter,
+                                               Histogram: Histogram},
+                             ["engine"], {0: ["0"]})
+    prom.observe(workers.aggregate(stats).to_dict(), engine_idx=0)
+    value = registry.get_sample_value
+    assert value("vllm:kv_push_rejected_total", {"engine": "0",
+                                                 "reason": "bad_transfer_params"}) == 1
+    assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": "unknown_peer"}) == 1
+    assert value("vllm:kv_push_transfers_done_total", {"engine": "0", "reason": ""}) == 2
 
 
 def test_connector_rejects_bad_extra_config_at_start_up():
     from kv_push.common.connector import KVPushConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    def config(extra, role="kv_consumer"):
-        ktc = SimpleNamespace(kv_connector_extra_config=extra, kv_role=role, engine_id="e",
-                              is_kv_producer=role == "kv_producer")
-        return SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+    config = vllm_config
 
     c = KVPushConnector(config({"heartbeat_interval_s": 2}), KVConnectorRole.SCHEDULER, None)
     assert c.push_config.heartbeat_interval_s == 2.0
@@ -213,3 +351,135 @@ def test_plugin_registers_the_connector_by_name_once():
     from kv_push.common.connector import KVPushConnector
 
     assert cls is KVPushConnector
+
+
+# -- router-signed kv_transfer_params (with a secret) --------------------------------------------
+
+SECRET = b"cluster-secret"
+
+
+def signed(params, secret=SECRET, ttl=600.0, now=1000.0):
+    from kv_push.common.auth import TransferParamsSigner
+
+    return TransferParamsSigner(secret, ttl, clock=lambda: now).sign(params)
+
+
+def test_signed_params_parse_and_every_change_breaks_the_signature():
+    for raw in (signed(D_PARAMS), signed(P_PARAMS)):
+        assert TransferParams.parse(raw, SECRET, now=1001.0) is not None
+        # without a secret the signature is not looked at
+        assert TransferParams.parse(raw) == TransferParams.parse(raw, SECRET, now=1001.0)
+    d = signed(D_PARAMS)
+    tampered = [
+        dict(d, remote_host="attacker.example"),  # the SSRF this guards against
+        dict(d, remote_port=6666),
+        dict(d, transfer_id="t2"),
+        dict(d, kv_push_sig=dict(d["kv_push_sig"], expires=d["kv_push_sig"]["expires"] + 9999)),
+        signed(D_PARAMS, secret=b"another-secret"),
+        # a producer leg's signature pasted onto decoder parameters
+        dict(D_PARAMS, kv_push_sig=signed({**P_PARAMS})["kv_push_sig"]),
+    ]
+    for raw in tampered:
+        with pytest.raises(TransferParamsError) as e:
+            TransferParams.parse(raw, SECRET, now=1001.0)
+        assert e.value.reason == "bad_transfer_params_signature", raw
+    for raw, reason in ((dict(D_PARAMS), "unsigned_transfer_params"),
+                        (dict(P_PARAMS), "unsigned_transfer_params"),
+                        (dict(d, kv_push_sig="junk"), "bad_transfer_params_signature"),
+                        (dict(d, kv_push_sig={"expires": True, "mac": "00"}),
+                         "bad_transfer_params_signature"),
+                        (dict(d, kv_push_sig={"expires": "1", "mac": "00"}),
+                         "bad_transfer_params_signature")):
+        with pytest.raises(TransferParamsError) as e:
+            TransferParams.parse(raw, SECRET, now=1001.0)
+        assert e.value.reason == reason, raw
+    # the same signature after its expiry (600 s after signing at t=1000)
+    assert TransferParams.parse(d, SECRET, now=1600.0) is not None
+    with pytest.raises(TransferParamsError) as e:
+        TransferParams.parse(d, SECRET, now=1601.0)
+    assert e.value.reason == "expired_transfer_params"
+
+
+@pytest.mark.parametrize("case", ["unsigned", "forged_host", "expired"])
+def test_decoder_with_secret_serves_unsigned_params_locally_and_never_dials(case, caplog):
+    """A client that reaches D directly names its own host: D must not act on it."""
+    from kv_push.common.metrics import Counters
+
+    counters = Counters()
+    s = PushScheduler(is_producer=False, is_decoder=True, block_size=BS, counters=counters,
+                      secret=SECRET, clock=lambda: 1001.0)
+    raw = {"unsigned": dict(D_PARAMS, remote_host="attacker.example"),
+           "forged_host": dict(signed(D_PARAMS), remote_host="attacker.example"),
+           "expired": signed(D_PARAMS, now=0.0)}[case]
+    reason = {"unsigned": "unsigned_transfer_params",
+              "forged_host": "bad_transfer_params_signature",
+              "expired": "expired_transfer_params"}[case]
+    r = req("r1", raw)
+    with caplog.at_level("WARNING", logger="kv_push.common.connector_scheduler"):
+        for _ in range(3):  # vLLM asks again each step while the request waits
+            assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # local prefill
+        s.update_state_after_alloc(r, [], 0)
+        assert s.request_finished(r, [], finished_ok=False) == (False, None)
+    assert not s.take_plan()  # no Expect: nothing is sent anywhere, no host is dialled
+    assert counters.get("rejected", label=reason) == 1
+    assert len([rec for rec in caplog.records if "r1" in rec.getMessage()]) == 1  # once
+    # a signed request on the same scheduler is served with KV transfer
+    good = req("r2", signed(D_PARAMS))
+    assert s.get_num_new_matched_tokens(good, 0) == (100, True)
+    s.update_state_after_alloc(good, list(range(7)), 100)
+    (e,) = s.take_plan().expects
+    assert (e.host, e.port) == ("10.0.0.1", 5600)
+
+
+def test_producer_with_secret_holds_blocks_only_for_signed_params():
+    from kv_push.common.metrics import Counters
+
+    counters = Counters()
+    s = PushScheduler(is_producer=True, is_decoder=False, block_size=BS, counters=counters,
+                      secret=SECRET, clock=lambda: 1001.0)
+    r = req("p1", dict(P_PARAMS), computed=100)
+    s.get_num_new_matched_tokens(r, 0)
+    assert s.request_finished(r, [1, 2, 3], finished_ok=True) == (False, None)
+    assert not s.take_plan() and not s.has_pending_work()
+    assert counters.get("rejected", label="unsigned_transfer_params") == 1
+    ok = req("p2", signed(P_PARAMS), computed=100)
+    s.get_num_new_matched_tokens(ok, 0)
+    assert s.request_finished(ok, [1, 2, 3], finished_ok=True)[0] is True
+    assert [p.req_id for p in s.take_plan().prefills] == ["p2"]
+
+
+def test_signature_verdict_is_taken_at_the_first_look():
+    """A request that queued (or ran its prefill) past the signature's expiry is still served:
+    the expiry bounds when a request may arrive, not how long it may take."""
+    now = [1001.0]
+    s = PushScheduler(is_producer=True, is_decoder=True, block_size=BS, secret=SECRET,
+                      clock=lambda: now[0])
+    p = req("p1", signed(P_PARAMS), computed=100)
+    d = req("d1", signed(D_PARAMS))
+    s.get_num_new_matched_tokens(p, 0)
+    assert s.get_num_new_matched_tokens(d, 0) == (100, True)
+    now[0] = 99999.0
+    assert s.get_num_new_matched_tokens(d, 0) == (100, True)
+    assert s.request_finished(p, [4, 5], finished_ok=True)[0] is True
+    # finished requests are forgotten: a new request with the same id is judged afresh
+    assert s.get_num_new_matched_tokens(req("p1", signed(P_PARAMS)), 0) == (0, False)
+    assert s.request_finished(req("p1", signed(P_PARAMS), computed=100), [4],
+                              finished_ok=True) == (False, None)
+
+
+def test_scheduler_half_reports_its_rejections_as_connector_stats(monkeypatch):
+    from kv_push.common.connector import KVPushConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    monkeypatch.setenv("KV_PUSH_SECRET", SECRET.decode())
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    ktc = SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_consumer", engine_id="e",
+                          is_kv_producer=False)
+    c = KVPushConnector(SimpleNamespace(kv_transfer_config=ktc,
+                                        cache_config=SimpleNamespace(block_size=16)),
+                        KVConnectorRole.SCHEDULER, None)
+    assert c.get_kv_connector_stats() is None  # nothing counted yet
+    assert c.get_num_new_matched_tokens(req("r", dict(D_PARAMS)), 0) == (0, False)
+    stats = c.get_kv_connector_stats()
+    assert stats.data == {"rejected": 1.0, "rejected{unsigned_transfer_params}": 1.0}
+    assert c.get_kv_connector_stats() is None  # reset after each report

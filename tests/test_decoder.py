@@ -67,10 +67,13 @@ class Bench:
         self.handshakes: list[tuple[str, int]] = []
         self.hellos: list = []
         self.lifelines: dict[str, object] = {}  # producer agent -> "its side channel closed"
+        self.severed: list[str] = []  # producer agents whose lifeline the decoder closed
+        self.close_at_once = False
         self.d.step()
 
     # the side channel, in-process
-    def handshake(self, host, port, hello, codec, timeout, on_closed=None) -> Welcome:
+    def handshake(self, host, port, hello, codec, timeout, on_closed=None,
+                  on_open=None) -> Welcome:
         assert codec is self.d.thread.codec and timeout == self.d.thread.config.handshake_timeout_s
         self.handshakes.append((host, port))
         self.hellos.append(hello)
@@ -85,13 +88,18 @@ class Bench:
         welcome = Welcome(**{**fields, **self.welcome_changes.get(rank, {})})
         if on_closed is not None:
             self.lifelines[end.name] = lambda: on_closed(welcome)
+        if on_open is not None:
+            on_open(lambda: self.severed.append(end.name))
+        if self.close_at_once:  # the lifeline closes right after the reply went out
+            on_closed(welcome)
         return welcome
 
     # the engine
     def expect(self, key: str = "req-1", tid: str = "t1", attempt: int = 0, blocks=(2, 3),
-               first_token: int = 0, num_tokens: int = 8) -> None:
-        self.d.thread.submit(lambda: self.decoder.expect(key, tid, attempt, (HOST, PORT),
-                                                         tuple(blocks), first_token, num_tokens))
+               first_token: int = 0, num_tokens: int = 8, digest: str = "") -> None:
+        self.d.thread.submit(lambda: self.decoder.expect(
+            key, tid, attempt, (HOST, PORT), tuple(blocks), first_token, num_tokens,
+            prompt_digest=digest))
         self.d.step()
 
     def cancel(self, key: str = "req-1") -> None:
@@ -113,22 +121,32 @@ class Bench:
         self.d.step()
 
     def write_done(self, rank: int = 0, tid: str = "t1", attempt: int = 0, chunk: int = 0,
-                   chunks: int = 1, **kw) -> None:
-        fields = dict(transfer_id=tid, attempt=attempt, engine_id="P", tp_rank=rank, num_bytes=64,
-                      chunk=chunk, chunks=chunks)
+                   chunks: int = 1, reg: str = "req-1", **kw) -> None:
+        fields = dict(transfer_id=tid, reg_id=reg, attempt=attempt, engine_id="P", tp_rank=rank,
+                      num_bytes=64, chunk=chunk, chunks=chunks)
         self.send(rank, WriteDone(**{**fields, **kw}))
 
-    def ack(self, rank: int = 0, tid: str = "t1", attempt: int = 0) -> None:
-        self.send(rank, CancelAck(transfer_id=tid, attempt=attempt, engine_id="P", tp_rank=rank))
+    def ack(self, rank: int = 0, tid: str = "t1", attempt: int = 0, reg: str = "req-1",
+            chunks_done: int = 0) -> None:
+        self.send(rank, CancelAck(transfer_id=tid, reg_id=reg, attempt=attempt, engine_id="P",
+                                  tp_rank=rank, chunks_done=chunks_done))
 
-    def registration(self, tid="t1", attempt=0, blocks=(2, 3), first_token=0, num_tokens=8):
-        return Register(transfer_id=tid, attempt=attempt, engine_id="D", tp_rank=self.d_rank,
-                        block_ids=tuple(blocks), first_token=first_token, num_tokens=num_tokens,
+    def failed(self, rank: int = 0, tid: str = "t1", attempt: int = 0, reg: str = "req-1",
+               reason: str = "boom", chunks_done: int = 0) -> None:
+        self.send(rank, TransferFailed(transfer_id=tid, reg_id=reg, attempt=attempt,
+                                       engine_id="P", tp_rank=rank, reason=reason,
+                                       chunks_done=chunks_done))
+
+    def registration(self, tid="t1", attempt=0, blocks=(2, 3), first_token=0, num_tokens=8,
+                     reg="req-1", digest=""):
+        return Register(transfer_id=tid, reg_id=reg, prompt_digest=digest, attempt=attempt,
+                        engine_id="D", tp_rank=self.d_rank, block_ids=tuple(blocks),
+                        first_token=first_token, num_tokens=num_tokens,
                         geometry_digest=geometry_digest(d_geom(self.d_tp, self.d_rank)))
 
-    def cancel_msg(self, tid="t1", attempt=0, reason="aborted"):
-        return Cancel(transfer_id=tid, attempt=attempt, engine_id="D", tp_rank=self.d_rank,
-                      reason=reason)
+    def cancel_msg(self, tid="t1", attempt=0, reason="aborted", reg="req-1", digest=""):
+        return Cancel(transfer_id=tid, reg_id=reg, prompt_digest=digest, attempt=attempt,
+                      engine_id="D", tp_rank=self.d_rank, reason=reason)
 
     def wants(self) -> int:
         return self.decoder.live()["wants"]
@@ -155,7 +173,7 @@ def test_expect_handshakes_registers_and_reports_received():
     # the next request to the same producer reuses the connection
     b.expect("req-2", "t2", blocks=(4, 5))
     assert len(b.handshakes) == 1
-    assert b.got() == [b.registration("t2", blocks=(4, 5))]
+    assert b.got() == [b.registration("t2", blocks=(4, 5), reg="req-2")]
 
 
 def test_nothing_to_transfer_is_received_once_registered():
@@ -163,6 +181,23 @@ def test_nothing_to_transfer_is_received_once_registered():
     b.expect(first_token=8, num_tokens=8, blocks=())  # the whole prompt was cached on D
     assert [m.num_tokens - m.first_token for m in b.got()] == [0]
     assert b.outcomes() == [Outcome("req-1", "received")]
+    # nothing was transferred: not a transfer done (it skewed transfers_done/transfer_seconds)
+    assert b.d.count("transfers_done") == 0 and b.d.count("transfer_seconds") == 0
+
+
+def test_two_engine_requests_sharing_a_transfer_id_are_told_apart():
+    # issue 9 item 1: a prompt list (or n=2) is two engine requests with one transfer id; the
+    # decoder keyed wants by transfer id, so request 1's notice completed request 2
+    b = Bench()
+    b.expect("req-1", blocks=(2, 3), digest="A")
+    b.expect("req-2", blocks=(4, 5), digest="B")
+    assert b.got() == [b.registration(reg="req-1", digest="A"),
+                       b.registration(reg="req-2", digest="B", blocks=(4, 5))]
+    b.write_done(reg="req-2")
+    assert b.outcomes() == [Outcome("req-2", "received")]
+    b.failed(reg="req-1")
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: boom")]
+    assert b.wants() == 0
 
 
 def test_one_notice_per_writer_rank():
@@ -223,8 +258,9 @@ def test_notices_for_another_attempt_or_transfer_are_stale():
     b.expect()
     b.write_done(attempt=1)
     b.write_done(tid="t-unknown")
-    b.send(0, TransferFailed(transfer_id="t1", attempt=3, engine_id="P", tp_rank=0, reason="x"))
-    assert b.d.count("stale") == 3
+    b.write_done(reg="req-unknown")
+    b.failed(attempt=3)
+    assert b.d.count("stale") == 4
     assert b.outcomes() == []
     b.write_done()
     assert b.outcomes() == [Outcome("req-1", "received")]
@@ -247,13 +283,13 @@ def test_cancel_fences_until_every_told_producer_acks():
     assert b.wants() == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 9 items 1/9: the decoder indexes wants by transfer id alone (by_tid), so a second "
-    "want with the same id displaces the live one's index and its CancelAck is dropped as stale; "
-    "the connector scheduler no longer sends such a second registration (vLLM's rejection "
-    "notice), and transfer identity per engine request is being reworked on another branch: "
-    "remove this mark when that lands"))
 def test_a_second_want_for_a_transfer_id_does_not_orphan_the_live_one():
+    """The e2e abort-storm leak (issue 9 item 9): vLLM's API server submits a pre-aborted copy
+    of a request's kv_transfer_params (``notify_kv_transfer_request_rejected``, vLLM 0.29 and
+    0.32) when the handler is cancelled -- also when the real request reached the engine, as
+    when a client hangs up. The copy's release-only registration shares the live request's
+    transfer id; when wants were indexed by transfer id alone it displaced the live want's
+    index, whose CancelAck was then dropped as stale, and the blocks stayed fenced for good."""
     b = Bench()
     b.expect()  # req-1, t1: registered
     b.expect(key="release:x", blocks=(), first_token=0, num_tokens=0)  # same t1, release-only
@@ -287,6 +323,138 @@ def test_cancel_while_connecting_releases_at_once_then_a_release_only_registrati
     assert b.wants() == 0
 
 
+def test_an_unanswered_cancel_is_sent_again_with_back_off():
+    # issue 9 item 4: one lost CancelAck held the blocks until the producer died
+    b = Bench(cancel_retry_s=1.0, fence_timeout_s=100.0)
+    b.expect()
+    b.got()  # the registration
+    b.cancel()
+    sent_at = [b.clock.t] if b.got() == [b.cancel_msg()] else []
+    for _ in range(200):
+        b.clock.advance(0.25)
+        b.d.step()
+        sent_at += [b.clock.t] * len(b.got())
+        if b.clock.t >= 40:
+            break
+    assert sent_at[:6] == [0, 1, 3, 7, 15, 23]  # doubling, at most 8 retry periods apart
+    assert b.d.count("cancels_resent") == len(sent_at) - 1
+    assert b.outcomes() == []  # never released on a guess
+    b.ack()
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
+
+
+def test_a_fence_that_outlives_its_bound_closes_the_lifeline_and_drops_the_producer():
+    # issue 9 item 4: after the bound the producer is treated as dead -- never just released
+    b = Bench(cancel_retry_s=1.0, fence_timeout_s=20.0)
+    b.expect("req-1")
+    b.expect("req-2", "t2", blocks=(4, 5))  # another request the same producer writes
+    b.cancel("req-1")
+    b.clock.advance(19)
+    b.d.step()
+    assert b.outcomes() == [] and b.severed == []
+    b.clock.advance(2)
+    b.d.step()  # gives up: closes the lifeline, so a live producer drops us and posts no more
+    assert b.severed == ["P0"] and b.d.count("fence_timeouts") == 1
+    b.lifelines["P0"]()  # our own closing, seen by the lifeline's watcher: not proof of death
+    b.d.step(2)
+    assert b.d.thread.peer("P0") is not None and b.outcomes() == []
+    # WRITEs it posted before it noticed may still land: the blocks stay fenced for another
+    # fence_timeout_s, then the producer is dropped
+    b.clock.advance(19)
+    b.d.step(2)
+    assert b.outcomes() == [] and b.d.thread.peer("P0") is not None
+    b.clock.advance(2)
+    b.d.step(3)
+    assert b.d.thread.peer("P0") is None and b.d.transport.removed == ["P0"]
+    assert sorted(b.outcomes(), key=lambda o: o.key) == [
+        Outcome("req-1", "released", "aborted"),
+        Outcome("req-2", "failed", "producer P rank 0 is dead")]
+    assert b.wants() == 0
+
+
+def test_an_answer_after_the_bound_still_ends_the_fence():
+    b = Bench(cancel_retry_s=1.0, fence_timeout_s=20.0)
+    b.expect()
+    b.cancel()
+    b.clock.advance(21)
+    b.d.step()
+    assert b.severed == ["P0"]
+    b.ack()
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
+
+
+def test_a_cancel_ack_waits_for_the_chunks_it_announces():
+    # issue 9 item 6: on LIBFABRIC a local DONE does not prove remote delivery, so the ack may
+    # overtake the WRITEs' notices (and data)
+    b = Bench()
+    b.expect()
+    b.write_done(chunk=0, chunks=4)
+    b.cancel()
+    b.ack(chunks_done=3)  # chunks 1 and 2 completed on P but have not landed here yet
+    assert b.outcomes() == []
+    b.write_done(chunk=2, chunks=4)
+    assert b.outcomes() == []
+    b.write_done(chunk=1, chunks=4)
+    assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
+
+
+def test_a_transfer_failed_waits_for_the_chunks_it_announces():
+    b = Bench()
+    b.expect()
+    b.failed(chunks_done=1)  # one chunk completed before the failure; its notice is late
+    assert b.outcomes() == []
+    b.failed(chunks_done=1)  # a copy: still one outcome, later
+    b.write_done(chunk=0, chunks=2)
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: boom")]
+    b.write_done(chunk=1, chunks=2)
+    b.ack()
+    assert b.outcomes() == [] and b.d.count("stale") == 2
+
+
+def test_a_partly_sent_registration_is_fenced_not_forgotten():
+    # issue 9 item 7: rank 0 was told, rank 1 could not be; the decoder treated it as "nothing
+    # advertised" and freed blocks producer rank 0 may write
+    b = Bench(p_tp=2, manual=True)
+    b.expect()
+    b.executor.run()  # rank 0's handshake
+    b.d.step()
+    b.executor.run()  # rank 1's
+    del b.wire.queues["P1"]  # its notifications can no longer be posted
+    b.d.step()
+    assert b.got(0) == [b.registration(), b.cancel_msg(
+        reason="could not notify producer rank 1")]
+    assert b.outcomes() == []
+    b.ack(0)
+    assert b.outcomes() == [Outcome("req-1", "failed", "could not notify producer rank 1")]
+
+
+def test_a_new_attempt_keeps_the_old_one_fenced_and_reports_once():
+    # issue 9 item 7: expect on an existing key overwrote a want that was still fencing
+    b = Bench()
+    b.expect(attempt=0, blocks=(2, 3))
+    b.expect(attempt=1, blocks=(4, 5))
+    assert b.got() == [b.registration(), b.cancel_msg(reason="superseded by attempt 1"),
+                       b.registration(attempt=1, blocks=(4, 5))]
+    b.write_done(attempt=1)
+    assert b.outcomes() == []  # the old blocks may still be written
+    b.expect(attempt=1)  # the same attempt again: ignored
+    b.ack(attempt=0)
+    assert b.outcomes() == [Outcome("req-1", "received", attempt=1)]
+    assert b.wants() == 0 and b.decoder.live()["parked"] == 0
+
+
+def test_an_attempt_superseded_after_its_outcome_went_out_is_told_apart():
+    # the engine re-allocated while the old attempt's outcome was on its way: the newest
+    # attempt still gets exactly one outcome, and the old one is marked as the old attempt's
+    b = Bench()
+    b.expect(attempt=0)
+    b.write_done()
+    b.expect(attempt=1, blocks=(4, 5))
+    b.write_done(attempt=1)
+    assert b.outcomes() == [Outcome("req-1", "received", attempt=0),
+                            Outcome("req-1", "received", attempt=1)]
+
+
 # -- handshakes ----------------------------------------------------------------------------------
 
 
@@ -301,7 +469,7 @@ def test_a_failed_handshake_fails_the_request_and_the_next_one_retries():
     del b.refuse[PORT]
     b.expect("req-2", "t2")
     assert len(b.handshakes) == 2
-    assert b.got() == [b.registration("t2")]
+    assert b.got() == [b.registration("t2", reg="req-2")]
 
 
 def test_all_requests_waiting_for_a_handshake_fail_with_it():
@@ -340,7 +508,7 @@ def test_a_producer_failure_fences_the_other_writers_before_failing():
     b = Bench(p_tp=2)
     b.expect()
     b.got(0), b.got(1)  # the registrations
-    b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
+    b.failed(0)
     assert b.got(1) == [b.cancel_msg(reason="producer rank 0: boom")]
     assert b.got(0) == []  # it failed: it writes nothing more
     assert b.outcomes() == []
@@ -352,17 +520,16 @@ def test_a_producer_failure_fences_the_other_writers_before_failing():
 def test_a_producer_failure_fails_the_request():
     b = Bench()
     b.expect()
-    b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
+    b.failed(0)
     assert set(b.outcomes()) == {Outcome("req-1", "failed", "producer rank 0: boom")}
     assert b.wants() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 item 2: a TransferFailed from the last writer "
-                                       "emits the outcome twice")
 def test_a_producer_failure_emits_exactly_one_outcome():
+    # issue 9 item 2: _fail -> _fence -> _check -> _finish, then _check again
     b = Bench()
     b.expect()
-    b.send(0, TransferFailed(transfer_id="t1", attempt=0, engine_id="P", tp_rank=0, reason="boom"))
+    b.failed(0)
     assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: boom")]
 
 
@@ -417,6 +584,53 @@ def test_a_request_whose_handshake_never_ends_times_out_at_once():
     assert b.wants() == 0
 
 
+def test_a_lifeline_that_closes_before_the_welcome_is_handled_fails_the_handshake():
+    # the lifeline closed after handshake() returned but before _on_welcome ran: peer_lost
+    # found no peer, and the decoder went on to register with a dead producer
+    b = Bench()
+    b.close_at_once = True
+    b.expect()
+    b.d.step(2)
+    (outcome,) = b.outcomes()
+    assert outcome.kind == "failed" and "closed its side channel" in outcome.reason
+    assert b.d.thread.peer("P0") is None and b.got() == []
+    assert b.d.count("rejected", label="lifeline_closed") == 1
+    b.close_at_once = False
+    b.expect("req-2", "t2")  # the next request connects afresh
+    assert b.got() == [b.registration("t2", reg="req-2")]
+
+
+def test_a_silent_producer_fails_the_request_but_keeps_the_blocks_fenced():
+    # issue 9 item 5: heartbeat silence is not proof of death (a frozen producer may still
+    # have a WRITE in flight)
+    b = Bench(heartbeat_interval_s=10.0, fence_timeout_s=1000.0)
+    b.expect()
+    b.got()
+    b.clock.advance(16)
+    b.d.step()
+    assert b.d.count("peers_silent") == 1 and b.d.thread.peer("P0") is not None
+    assert b.got() == [b.cancel_msg(reason="producer P rank 0 is unresponsive")]
+    b.clock.advance(100)
+    b.d.step()
+    assert b.outcomes() == []  # still fenced
+    b.expect("req-2", "t2")  # a new request is not registered with a silent producer
+    assert b.outcomes() == [Outcome("req-2", "failed", "producer rank 0 is unresponsive")]
+    assert not any(isinstance(m, Register) for m in b.got())
+    b.lifelines["P0"]()  # only its death frees the blocks
+    b.d.step(2)
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is unresponsive")]
+
+
+def test_a_silent_producer_that_speaks_again_can_answer():
+    b = Bench(heartbeat_interval_s=10.0, fence_timeout_s=1000.0)
+    b.expect()
+    b.clock.advance(16)
+    b.d.step()
+    b.ack()
+    assert b.d.thread.peer("P0").silent is False
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is unresponsive")]
+
+
 # -- with a real producer ------------------------------------------------------------------------
 
 
@@ -439,7 +653,8 @@ class Pair:
         self.p.thread.add_role(self.producer)
         self.d.thread.add_role(self.decoder)
 
-    def handshake(self, host, port, hello, codec, timeout, on_closed=None) -> Welcome:
+    def handshake(self, host, port, hello, codec, timeout, on_closed=None,
+                  on_open=None) -> Welcome:
         try:
             return self.producer.accept_hello(hello)
         except MessageRejected as e:

@@ -163,6 +163,23 @@ def test_concurrent_requests_all_identical(stack, prompts):
         assert sig == stack["reference"][prompt]
 
 
+def test_bad_transfer_params_are_served_locally_and_counted(stack, prompts):
+    """Malformed ``kv_transfer_params`` sent straight to D: its scheduler half rejects them, D
+    computes the prompt itself, and the rejection reaches D's /metrics (the scheduler process's
+    counters, not a worker's)."""
+    d, name = stack["d"], "vllm:kv_push_rejected_total"
+    before = metric(d.url, name, reason="bad_transfer_params")
+    prompt = prompts[7]
+    bad = {"transfer_id": "e2e-bad-params", "do_remote_prefill": True, "remote_port": 1}
+    choice = _choice(d.url, prompt, kv_transfer_params=bad)
+    assert signature(choice) == stack["reference"][prompt]
+    deadline = time.monotonic() + 30  # stats are published with the engine's next outputs
+    while metric(d.url, name, reason="bad_transfer_params") - before < 1:
+        assert time.monotonic() < deadline, "the rejection never reached /metrics"
+        time.sleep(0.5)
+    assert metric(d.url, name, reason="bad_transfer_params") - before == 1  # one request, once
+
+
 def test_client_disconnect_leaves_no_work_behind(stack, prompts, figures):
     """Abort storm through the router: clients hang up mid-request. Afterwards both servers
     hold nothing -- no running or waiting request, and no KV block in use (P's prefills waiting

@@ -74,9 +74,9 @@ def peers(request):
     ``per_layer``: one allocation per layer, as vLLM allocates its KV cache."""
     alloc = request.param
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    # engine ids differ in their first 12 characters: PushWorker names its NIXL agent
-    # "kvpush-<engine_id[:12]>-r<rank>", and a producer refuses (NIXL_ERR_NOT_ALLOWED) a second
-    # decoder whose agent name collides with one it already loaded
+    # a producer refuses (NIXL_ERR_NOT_ALLOWED) a second decoder whose agent name collides with
+    # one it already loaded; PushWorker names its agent "kvpush-<engine_id>-r<rank>-<random>",
+    # so names never collide, and distinct engine ids keep the logs readable
     specs = {
         "P": _spec("producer", "kv_split", "NHD", 16, P_BLOCKS, alloc,
                    engine_id="prefill-gpu-test", config={"side_channel_port": 0}),

@@ -29,9 +29,11 @@ from kv_push.common import messages as M
 from kv_push.common.geometry import KVGeometry
 from kv_push.common.messages import (
     MAX_MESSAGE_BYTES,
+    NO_ROUTE,
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
+    Challenge,
     Codec,
     Envelope,
     Goodbye,
@@ -40,6 +42,7 @@ from kv_push.common.messages import (
     MessageRejected,
     Refused,
     Register,
+    Route,
     TransferFailed,
     Welcome,
     WriteDone,
@@ -49,7 +52,8 @@ from kv_push.common.messages import (
 REPO = Path(__file__).resolve().parents[1]
 SECRET = b"correct horse battery staple"
 MESSAGE_TYPES = tuple(M.Message.__args__)  # type: ignore[attr-defined]
-KNOWN_REASONS = {"malformed", "version", "unauthenticated", "bad_mac", "oversize", "invalid"}
+KNOWN_REASONS = {"malformed", "version", "unauthenticated", "bad_mac", "oversize", "invalid",
+                 "secret_mismatch"}
 
 
 def make_geometry(**overrides) -> KVGeometry:
@@ -66,22 +70,27 @@ DIGEST = geometry_digest(GEOM)
 def sample_messages() -> list[M.Message]:
     """One (or more) instance of every message type, with non-trivial field values."""
     return [
+        Challenge(nonce=bytes(range(16))),
         Hello(engine_id="dec-0", agent_name="agent-d0", agent_metadata=b"\x00\x01meta\xff",
-              geometry=GEOM, compat_hash=M.COMPAT_HASH),
+              geometry=GEOM, compat_hash=M.COMPAT_HASH, nonce=b"\x07" * 16,
+              reply_to=bytes(range(16))),
         Welcome(engine_id="pre-0", agent_name="agent-p0", agent_metadata=b"\xfe" * 300,
                 geometry=make_geometry(tp_rank=0, token_order="HND"), compat_hash=M.COMPAT_HASH,
-                side_channel_ports=(5600, 5601)),
+                side_channel_ports=(5600, 5601), reply_to=b"\x07" * 16),
         Refused(reason="incompatible: geometry ünïcode"),
-        Register(transfer_id="tid-1", attempt=3, engine_id="dec-0", tp_rank=1,
-                 block_ids=(7, 0, 31, 2), first_token=16, num_tokens=70, geometry_digest=DIGEST),
-        Register(transfer_id="t", attempt=0, engine_id="", tp_rank=0, block_ids=(),
-                 first_token=0, num_tokens=0, geometry_digest=""),
-        WriteDone(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
-                  num_bytes=1 << 40),
-        Cancel(transfer_id="tid-1", attempt=2, engine_id="dec-0", tp_rank=1, reason="aborted"),
-        CancelAck(transfer_id="tid-1", attempt=2, engine_id="pre-0", tp_rank=0),
-        TransferFailed(transfer_id="tid-1", attempt=3, engine_id="pre-0", tp_rank=0,
-                       reason="WRITE failed"),
+        Register(transfer_id="tid-1", reg_id="cmpl-7-0", prompt_digest="9f2a44c1d0e3b6a7",
+                 attempt=3, engine_id="dec-0", tp_rank=1, block_ids=(7, 0, 31, 2),
+                 first_token=16, num_tokens=70, geometry_digest=DIGEST),
+        Register(transfer_id="t", reg_id="r", prompt_digest="", attempt=0, engine_id="",
+                 tp_rank=0, block_ids=(), first_token=0, num_tokens=0, geometry_digest=""),
+        WriteDone(transfer_id="tid-1", reg_id="cmpl-7-0", attempt=3, engine_id="pre-0",
+                  tp_rank=0, num_bytes=1 << 40),
+        Cancel(transfer_id="tid-1", reg_id="cmpl-7-0", prompt_digest="9f2a", attempt=2,
+               engine_id="dec-0", tp_rank=1, reason="aborted"),
+        CancelAck(transfer_id="tid-1", reg_id="cmpl-7-0", attempt=2, engine_id="pre-0",
+                  tp_rank=0, chunks_done=3),
+        TransferFailed(transfer_id="tid-1", reg_id="1_cmpl-7", attempt=3, engine_id="pre-0",
+                       tp_rank=0, reason="WRITE failed", chunks_done=0),
         Heartbeat(engine_id="pre-0", tp_rank=0, seq=2**63 - 1),
         Goodbye(engine_id="dec-0", tp_rank=1),
     ]
@@ -89,18 +98,21 @@ def sample_messages() -> list[M.Message]:
 
 def test_samples_cover_every_message_type():
     assert {type(m) for m in sample_messages()} == set(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 10
+    assert len(MESSAGE_TYPES) == 11
 
 
-def reason_of(codec: Codec, data) -> str:
+def reason_of(codec: Codec, data, route: Route = NO_ROUTE) -> str:
     with pytest.raises(MessageRejected) as info:
-        codec.decode(data)
+        codec.decode(data, route)
     assert info.value.reason in KNOWN_REASONS
     return info.value.reason
 
 
-def envelope(version: int, body: bytes, mac: bytes | None = None) -> bytes:
+def envelope(version: int, body: bytes, mac: bytes | None = None, seq: int | None = None
+             ) -> bytes:
     fields = [version, body] if mac is None else [version, body, mac]
+    if seq is not None:
+        fields.append(seq)
     return msgspec.msgpack.encode(fields)
 
 
@@ -108,8 +120,11 @@ def body_of(msg) -> bytes:
     return msgspec.msgpack.encode(msg)
 
 
-def mac_of(body: bytes, secret: bytes = SECRET) -> bytes:
-    return hmac.new(secret, body, hashlib.sha256).digest()
+def mac_of(body: bytes, secret: bytes = SECRET, *, version: int = PROTOCOL_VERSION,
+           route: tuple[str, str] = ("", ""), seq: int = 0) -> bytes:
+    """The MAC, restated: HMAC-SHA256 over msgpack([version, sender, receiver, seq]) + body."""
+    head = msgspec.msgpack.encode([version, route[0], route[1], seq])
+    return hmac.new(secret, head + body, hashlib.sha256).digest()
 
 
 # -- round trips ---------------------------------------------------------------------------------
@@ -140,10 +155,50 @@ def test_empty_secret_means_unauthenticated():
     assert env.mac == b""
 
 
-def test_receiver_without_secret_accepts_maced_messages():
+def test_receiver_without_secret_refuses_maced_messages():
+    """A secret set on one side only is an error on both sides, never silently ignored."""
     plain = Codec()
     for msg in sample_messages():
-        assert plain.decode(Codec(SECRET).encode(msg)) == msg
+        assert reason_of(plain, Codec(SECRET).encode(msg)) == "secret_mismatch"
+        assert reason_of(plain, Codec(SECRET).encode(msg, Route("a", "b"), 5)) == "secret_mismatch"
+
+
+# -- route and sequence binding --------------------------------------------------------------------
+
+
+def test_mac_binds_sender_receiver_and_sequence():
+    codec = Codec(SECRET)
+    ab = Route("agent-a", "agent-b")
+    for msg in sample_messages():
+        frame = codec.encode(msg, ab, 41)
+        assert codec.decode_seq(frame, ab) == (msg, 41)
+        env = msgspec.msgpack.decode(frame, type=Envelope)
+        assert env.seq == 41 and env.mac == mac_of(env.body, route=ab, seq=41)
+        # another sender, another receiver, the names swapped, or the side channel: bad MAC
+        for other in (Route("agent-c", "agent-b"), Route("agent-a", "agent-c"),
+                      Route("agent-b", "agent-a"), NO_ROUTE):
+            assert reason_of(codec, frame, other) == "bad_mac"
+        # the sequence number changed in transit
+        forged = envelope(env.version, env.body, env.mac, seq=42)
+        assert reason_of(codec, forged, ab) == "bad_mac"
+    # a side-channel frame does not verify as a notification either
+    side = codec.encode(Goodbye(engine_id="e", tp_rank=0))
+    assert reason_of(codec, side, ab) == "bad_mac"
+
+
+def test_without_a_secret_route_and_sequence_are_carried_but_not_checked():
+    codec = Codec()
+    frame = codec.encode(Goodbye(engine_id="e", tp_rank=0), Route("a", "b"), 7)
+    assert codec.decode_seq(frame, Route("x", "y")) == (Goodbye(engine_id="e", tp_rank=0), 7)
+
+
+@pytest.mark.parametrize("nonce", [b"", b"short", b"\x00" * 15, b"\x00" * 17], ids=len)
+def test_challenge_nonce_must_have_16_bytes(nonce):
+    assert reason_of(Codec(), Codec().encode(Challenge(nonce=nonce))) == "invalid"
+
+
+def test_codec_repr_never_shows_the_key():
+    assert SECRET.decode() not in repr(Codec(SECRET)) and "True" in repr(Codec(SECRET))
 
 
 # -- compatibility hash and geometry digest --------------------------------------------------------
@@ -198,9 +253,10 @@ def test_compat_hash_same_in_another_process_and_under_another_import_path():
     """The hash names the wire format: it must not depend on the process or on the module path
     the package was imported under (an installed ``kv_push.common`` vs a source checkout's
     ``common``), or two identical installs refuse each other's handshake."""
-    code = (
+    code = (  # the checkout first for ``common``, then off the path so ``kv_push`` is the install
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "import common.messages as a, kv_push.common.messages as b;"
+        "import common.messages as a; sys.path.pop(0);"
+        "import kv_push.common.messages as b;"
         "print(a.COMPAT_HASH, b.COMPAT_HASH)"
     )
     out = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True,
@@ -261,8 +317,9 @@ def test_wrong_mac_and_tampered_body():
             body[i] ^= 0x20
             assert reason_of(codec, envelope(env.version, bytes(body), env.mac)) == "bad_mac"
     # a forged Register with the right shape but without the key
-    forged = body_of(Register(transfer_id="x", attempt=9, engine_id="evil", tp_rank=0,
-                              block_ids=(1,), first_token=0, num_tokens=1, geometry_digest=""))
+    forged = body_of(Register(transfer_id="x", reg_id="x", prompt_digest="", attempt=9,
+                              engine_id="evil", tp_rank=0, block_ids=(1,), first_token=0,
+                              num_tokens=1, geometry_digest=""))
     assert reason_of(codec, envelope(PROTOCOL_VERSION, forged, mac_of(forged, b"guess"))) == "bad_mac"
 
 
@@ -290,7 +347,7 @@ def test_oversize():
 
 
 @pytest.mark.parametrize("data", [
-    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01", b"\x94\x02\xc4\x00\xc4\x00\x00",
+    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01", b"\x95\x02\xc4\x00\xc4\x00\x00\x00",
     b"\x80", b"\x93\x01\xa1x\xc4\x00", b"\x93\xa11\xc4\x00\xc4\x00", b"not msgpack at all",
     envelope(PROTOCOL_VERSION, b""), envelope(PROTOCOL_VERSION, b"\x80"),
     envelope(PROTOCOL_VERSION, msgspec.msgpack.encode({"type": "nope"})),
@@ -317,8 +374,8 @@ def test_every_proper_prefix_of_a_frame_is_malformed():
                 assert reason_of(codec, frame[:n]) == "malformed"
 
 
-REG = Register(transfer_id="t", attempt=0, engine_id="d", tp_rank=0, block_ids=(0, 1),
-               first_token=0, num_tokens=20, geometry_digest=DIGEST)
+REG = Register(transfer_id="t", reg_id="r", prompt_digest="", attempt=0, engine_id="d",
+               tp_rank=0, block_ids=(0, 1), first_token=0, num_tokens=20, geometry_digest=DIGEST)
 
 
 @pytest.mark.parametrize("changes", [
@@ -330,11 +387,26 @@ REG = Register(transfer_id="t", attempt=0, engine_id="d", tp_rank=0, block_ids=(
     dict(num_tokens=-1, first_token=0),
     dict(attempt=-1),
     dict(transfer_id=""),
+    dict(reg_id=""),
+    dict(reg_id="r" * (M.MAX_ID_CHARS + 1)),
+    dict(prompt_digest="d" * (M.MAX_ID_CHARS + 1)),
 ], ids=repr)
 def test_invalid_register(changes):
     msg = msgspec.structs.replace(REG, **changes)
     for secret in (None, SECRET):
         assert reason_of(Codec(secret), Codec(secret).encode(msg)) == "invalid"
+
+
+@pytest.mark.parametrize("msg", [
+    CancelAck(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, chunks_done=-1),
+    TransferFailed(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, reason="",
+                   chunks_done=-1),
+    WriteDone(transfer_id="t", reg_id="", attempt=0, engine_id="p", tp_rank=0, num_bytes=1),
+    Cancel(transfer_id="t", reg_id="r", prompt_digest="", attempt=-1, engine_id="d", tp_rank=0,
+           reason=""),
+], ids=lambda m: type(m).__name__)
+def test_invalid_answers(msg):
+    assert reason_of(Codec(), Codec().encode(msg)) == "invalid"
 
 
 def test_valid_register_edges():
@@ -380,7 +452,8 @@ def test_bad_geometry_in_handshake_is_invalid(changes, kind):
 
 
 def test_bad_token_order_is_malformed():
-    body = msgspec.msgpack.decode(body_of(sample_messages()[0]))
+    body = msgspec.msgpack.decode(body_of(next(m for m in sample_messages()
+                                               if isinstance(m, Hello))))
     body["geometry"]["token_order"] = "XYZ"
     assert reason_of(Codec(), envelope(PROTOCOL_VERSION, msgspec.msgpack.encode(body))) == "malformed"
 
@@ -398,9 +471,20 @@ def test_rejection_carries_reason_and_detail():
 
 def oracle_invalid(msg) -> bool:
     """The semantic rules, restated independently of ``messages._check_sane``."""
+    per_registration = (Register, WriteDone, Cancel, CancelAck, TransferFailed)
+    if isinstance(msg, per_registration) and (
+            msg.transfer_id == "" or msg.reg_id == "" or msg.attempt < 0
+            or len(msg.reg_id) > M.MAX_ID_CHARS):
+        return True
+    if isinstance(msg, (Register, Cancel)) and len(msg.prompt_digest) > M.MAX_ID_CHARS:
+        return True
+    if isinstance(msg, (CancelAck, TransferFailed)):
+        return msg.chunks_done < 0
     if isinstance(msg, Register):
-        return (msg.attempt < 0 or msg.first_token < 0 or msg.num_tokens < msg.first_token
-                or any(b < 0 for b in msg.block_ids) or msg.transfer_id == "")
+        return (msg.first_token < 0 or msg.num_tokens < msg.first_token
+                or any(b < 0 for b in msg.block_ids))
+    if isinstance(msg, Challenge):
+        return len(msg.nonce) != 16
     if isinstance(msg, WriteDone):
         return msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
     if isinstance(msg, (Hello, Welcome)):
@@ -441,11 +525,14 @@ geometries = st.builds(
 ) | st.just(GEOM) | st.just(make_geometry(tp_rank=0, token_order="HND"))
 
 messages = st.one_of(
+    st.builds(Challenge, nonce=st.binary(min_size=14, max_size=18)),
     st.builds(Hello, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
-              geometry=geometries, compat_hash=text),
+              geometry=geometries, compat_hash=text, nonce=st.binary(max_size=20),
+              reply_to=st.binary(max_size=20)),
     st.builds(Welcome, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
               geometry=geometries, compat_hash=text,
-              side_channel_ports=st.lists(some_int, max_size=4).map(tuple)),
+              side_channel_ports=st.lists(some_int, max_size=4).map(tuple),
+              reply_to=st.binary(max_size=20)),
     st.builds(Refused, reason=text),
     st.builds(Register, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
               block_ids=ids, first_token=some_int, num_tokens=some_int, geometry_digest=text),
@@ -465,7 +552,8 @@ msgpack_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(text, inner, max_size=4),
     max_leaves=12,
 )
-TAGS = ["hello", "welcome", "refused", "reg", "done", "cancel", "cancel_ack", "failed", "hb", "bye"]
+TAGS = ["challenge", "hello", "welcome", "refused", "reg", "done", "cancel", "cancel_ack", "failed",
+        "hb", "bye"]
 
 
 @settings(max_examples=700, deadline=None, suppress_health_check=list(HealthCheck))
@@ -598,7 +686,7 @@ def test_fuzz_random_bytes_and_frame_mutations():
     # the mutator must actually reach every layer of the decoder, or it tests nothing
     for outcome in ("plain rejected:malformed", "hmac rejected:malformed",
                     "hmac rejected:bad_mac", "hmac rejected:unauthenticated",
-                    "plain rejected:version"):
+                    "plain rejected:version", "plain rejected:secret_mismatch"):
         assert mut[outcome] > 0, outcome
     decoded_plain = sum(k for o, k in mut.items() if o.startswith("plain ") and ":" not in o)
     decoded_hmac = sum(k for o, k in mut.items() if o.startswith("hmac ") and ":" not in o)

@@ -308,14 +308,14 @@ def test_reissued_attempt_gets_data_and_old_attempt_is_stale(peers):
     assert wait_counter(P, "registrations_early", early + 2) == early + 2
     # a late WriteDone for attempt 0 (as if its WRITE had been in flight): stale, not delivered
     stale_d = counter(D, "stale{WriteDone}")
-    assert P.call("inject", "WriteDone", {"transfer_id": tid, "attempt": 0, "num_bytes": 1},
-                  to_engine=d_engine) == 1
+    assert P.call("inject", "WriteDone", {"transfer_id": tid, "reg_id": key, "attempt": 0,
+                                          "num_bytes": 1}, to_engine=d_engine) == 1
     assert wait_counter(D, "stale{WriteDone}", stale_d + 1) == stale_d + 1
     assert D.call("wait_outcome", key, 0.3) is None, "a stale WriteDone completed the request"
     # a late registration for attempt 0 reaching P after attempt 1: stale, dropped
     stale_p = counter(P, "rejected{stale}")
     assert D.call("inject", "Register", {
-        "transfer_id": tid, "attempt": 0, "block_ids": old_blocks, "first_token": 0,
+        "transfer_id": tid, "reg_id": key, "attempt": 0, "block_ids": old_blocks, "first_token": 0,
         "num_tokens": n}, to_engine=p_engine) == 1
     assert wait_counter(P, "rejected{stale}", stale_p + 1) == stale_p + 1
 

@@ -1,24 +1,35 @@
-"""Tests for kv_push.common.rendezvous: pairing in either order, attempts, displacement, expiry."""
+"""Tests for kv_push.common.rendezvous: claims and sources meet by (transfer id, prompt digest), in
+either order; capacity, pools, attempts, cancels, completion and expiry."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv_push.common.rendezvous import Pairing, Registration, Rendezvous, Source, StaleEvent
+from kv_push.common.rendezvous import (
+    ConflictEvent,
+    Pairing,
+    Registration,
+    Rendezvous,
+    Source,
+    StaleEvent,
+)
 
 from fakes import FakeClock
 
-
-def src(tid: str = "t1", key: str = "req-a", blocks=(1, 2, 3), num_tokens: int = 40) -> Source:
-    return Source(key=key, transfer_id=tid, block_ids=tuple(blocks), num_tokens=num_tokens)
+TARGETS = (0,)
 
 
-def reg(tid: str = "t1", attempt: int = 0, rank: int = 0, peer: str | None = None,
-        engine: str = "dec-0", blocks=(10, 11, 12), first_token: int = 0,
-        num_tokens: int = 40) -> Registration:
-    return Registration(transfer_id=tid, attempt=attempt, peer=peer or f"agent-d{rank}",
-                        engine_id=engine, tp_rank=rank, block_ids=tuple(blocks),
-                        first_token=first_token, num_tokens=num_tokens)
+def src(key: str = "p-a", tid: str = "t1", digest: str = "", blocks=(1, 2, 3),
+        num_tokens: int = 40, capacity: int = 1, failure: str = "") -> Source:
+    return Source(key=key, transfer_id=tid, block_ids=tuple(blocks), num_tokens=num_tokens,
+                  prompt_digest=digest, capacity=capacity, failure=failure)
+
+
+def reg(reg_id: str = "d-1", tid: str = "t1", digest: str = "", attempt: int = 0, rank: int = 0,
+        engine: str = "dec-0", blocks=(10, 11, 12), num_tokens: int = 40) -> Registration:
+    return Registration(transfer_id=tid, attempt=attempt, peer=f"agent-d{rank}", engine_id=engine,
+                        tp_rank=rank, block_ids=tuple(blocks), first_token=0,
+                        num_tokens=num_tokens, reg_id=reg_id, prompt_digest=digest)
 
 
 @pytest.fixture
@@ -31,295 +42,262 @@ def rdv(clock) -> Rendezvous:
     return Rendezvous(ttl_s=10.0, clock=clock)
 
 
+def complete(rdv: Rendezvous, r: Registration) -> None:
+    rdv.resolve(r.request, r.tp_rank)
+
+
 # -- pairing -------------------------------------------------------------------------------------
 
 
 def test_registration_then_prefill(rdv):
     r = reg()
-    assert rdv.add_registration(r) == (None, None)
-    assert "t1" in rdv and len(rdv) == 1
-    assert rdv.source("t1") is None
+    assert rdv.add_registration(r, TARGETS) == ([], None)
+    assert ("t1", "") in rdv and len(rdv) == 1 and rdv.num_claims == 1
     s = src()
-    pairings, displaced = rdv.add_source(s)
-    assert pairings == [Pairing(s, r)]
-    assert displaced is None
-    assert rdv.source("t1") == s
-    assert rdv.registrations("t1") == [r]
+    assert rdv.add_source(s) == [Pairing(s, r)]
+    assert rdv.sources(("t1", "")) == [s] and rdv.registrations(("t1", "")) == [r]
+    assert rdv.claim(r.request).source == "p-a"
 
 
 def test_prefill_then_registration(rdv):
     s = src()
-    assert rdv.add_source(s) == ([], None)
-    assert "t1" in rdv
+    assert rdv.add_source(s) == []
     r = reg()
-    pairing, superseded = rdv.add_registration(r)
-    assert pairing == Pairing(s, r)
-    assert superseded is None
+    assert rdv.add_registration(r, TARGETS) == ([Pairing(s, r)], None)
 
 
-def test_transfers_are_independent(rdv):
-    rdv.add_registration(reg("a"))
-    pairings, _ = rdv.add_source(src("b", key="kb"))
-    assert pairings == []  # b's source does not pair with a's registration
-    assert len(rdv) == 2
-    assert rdv.registrations("b") == [] and rdv.source("a") is None
-    assert rdv.registrations("missing") == [] and rdv.source("missing") is None
-    assert "missing" not in rdv
+def test_keys_are_transfer_and_prompt(rdv):
+    rdv.add_registration(reg("d-a", digest="A"), TARGETS)
+    assert rdv.add_source(src("p-b", digest="B")) == []  # another prompt of the same transfer
+    assert rdv.add_source(src("p-x", tid="t2", digest="A")) == []  # another transfer
+    a = src("p-a", digest="A")
+    assert rdv.add_source(a) == [Pairing(a, reg("d-a", digest="A"))]
+    assert len(rdv) == 3
 
 
-def test_multiple_decoder_ranks_both_orders(rdv):
-    r0, r1 = reg(rank=0), reg(rank=1, blocks=(20, 21))
-    rdv.add_registration(r0)
-    rdv.add_registration(r1)
-    s = src()
-    pairings, _ = rdv.add_source(s)
-    assert sorted(pairings, key=lambda p: p.registration.tp_rank) == [Pairing(s, r0), Pairing(s, r1)]
-    # a third rank arriving after the prefill pairs at once, alone
-    r2 = reg(rank=2)
-    assert rdv.add_registration(r2) == (Pairing(s, r2), None)
-    assert {r.tp_rank for r in rdv.registrations("t1")} == {0, 1, 2}
+def test_registration_without_an_id_is_named_by_its_transfer(rdv):
+    r = reg(reg_id="")
+    assert r.request == ("dec-0", "t1")
+    rdv.add_registration(r, TARGETS)
+    assert rdv.claim(("dec-0", "t1")) is not None
 
 
-def test_prefill_first_then_several_ranks(rdv):
-    s = src()
+# -- capacity and pools --------------------------------------------------------------------------
+
+
+def test_a_source_serves_one_claim_by_default_and_claims_wait_in_order(rdv):
+    r1, r2, r3 = reg("d-1"), reg("d-2", blocks=(20,)), reg("d-3", blocks=(30,))
+    for r in (r1, r2, r3):
+        rdv.add_registration(r, TARGETS)
+    s1 = src("p-1")
+    assert rdv.add_source(s1) == [Pairing(s1, r1)]
+    s2 = src("p-2")
+    assert rdv.add_source(s2) == [Pairing(s2, r2)]
+    assert rdv.claim(r3.request).source is None
+
+
+def test_a_source_with_capacity_serves_that_many_claims(rdv):
+    s = src(capacity=2)
     rdv.add_source(s)
-    for rank in range(4):
-        r = reg(rank=rank, peer=f"agent-{rank}")
-        assert rdv.add_registration(r) == (Pairing(s, r), None)
+    r1, r2, r3 = reg("d-1"), reg("d-2"), reg("d-3")
+    assert rdv.add_registration(r1, TARGETS)[0] == [Pairing(s, r1)]
+    assert rdv.add_registration(r2, TARGETS)[0] == [Pairing(s, r2)]
+    assert rdv.add_registration(r3, TARGETS)[0] == []  # capacity used up
+
+
+def test_two_claims_never_share_an_assignment(rdv):
+    s1, s2 = src("p-1"), src("p-2")
+    rdv.add_source(s1)
+    rdv.add_source(s2)
+    p1, _ = rdv.add_registration(reg("d-1"), TARGETS)
+    p2, _ = rdv.add_registration(reg("d-2"), TARGETS)
+    assert [p.source for p in p1 + p2] == [s1, s2]
+
+
+def test_every_rank_and_attempt_of_a_claim_pairs_with_its_source(rdv):
+    s1, s2 = src("p-1"), src("p-2")
+    rdv.add_source(s1)
+    rdv.add_source(s2)
+    rdv.add_registration(reg("d-2", rank=0), (0, 1))
+    rdv.add_registration(reg("d-1", rank=0), (0, 1))
+    assert rdv.add_registration(reg("d-1", rank=1), (0, 1))[0][0].source == s2
+    assert rdv.add_registration(reg("d-2", rank=1), (0, 1))[0][0].source == s1
+    new, old = rdv.add_registration(reg("d-2", rank=1, attempt=1, blocks=(9,)), (0, 1))
+    assert new[0].source == s1 and old == reg("d-2", rank=1)
+
+
+def test_waiting_ranks_of_a_claim_all_pair_when_its_source_comes(rdv):
+    r0, r1 = reg(rank=0), reg(rank=1, blocks=(20, 21))
+    rdv.add_registration(r0, (0, 1))
+    rdv.add_registration(r1, (0, 1))
+    s = src()
+    assert sorted(rdv.add_source(s), key=lambda p: p.registration.tp_rank) == [
+        Pairing(s, r0), Pairing(s, r1)]
 
 
 # -- attempts ------------------------------------------------------------------------------------
 
 
-def test_newer_attempt_supersedes_before_prefill(rdv):
-    old, new = reg(attempt=0), reg(attempt=1, blocks=(99,))
-    rdv.add_registration(old)
-    assert rdv.add_registration(new) == (None, old)
-    assert rdv.registrations("t1") == [new]
-    pairings, _ = rdv.add_source(src())
-    assert [p.registration for p in pairings] == [new]  # only the newest is written
-
-
-def test_newer_attempt_supersedes_after_pairing(rdv):
-    s = src()
-    rdv.add_source(s)
-    old = reg(attempt=1)
-    rdv.add_registration(old)
-    new = reg(attempt=5)
-    assert rdv.add_registration(new) == (Pairing(s, new), old)
-    assert rdv.registrations("t1") == [new]
-
-
 @pytest.mark.parametrize("attempt", [0, 1, 2])
 def test_older_or_equal_attempt_is_stale(rdv, attempt):
     current = reg(attempt=2)
-    rdv.add_registration(current)
+    rdv.add_registration(current, TARGETS)
     with pytest.raises(StaleEvent):
-        rdv.add_registration(reg(attempt=attempt, blocks=(5,)))
-    assert rdv.registrations("t1") == [current]  # unchanged
+        rdv.add_registration(reg(attempt=attempt, blocks=(5,)), TARGETS)
+    assert rdv.registrations(("t1", "")) == [current]
 
 
-def test_stale_attempt_after_pairing_does_not_pair(rdv):
+def test_a_newer_attempt_unresolves_its_rank(rdv):
     s = src()
     rdv.add_source(s)
-    rdv.add_registration(reg(attempt=3))
-    with pytest.raises(StaleEvent):
-        rdv.add_registration(reg(attempt=2))
-    assert [r.attempt for r in rdv.registrations("t1")] == [3]
-
-
-def test_attempts_are_per_rank(rdv):
-    rdv.add_registration(reg(rank=0, attempt=4))
-    # rank 1's first registration at a lower attempt is not stale: it is another rank
-    assert rdv.add_registration(reg(rank=1, attempt=0)) == (None, None)
-
-
-# -- prefill sources -----------------------------------------------------------------------------
-
-
-def test_second_prefill_source_displaces_first(rdv):
     r = reg()
-    rdv.add_registration(r)
-    first = src(key="req-a")
-    assert rdv.add_source(first) == ([Pairing(first, r)], None)
-    second = src(key="req-b", blocks=(7, 8))
-    pairings, displaced = rdv.add_source(second)
-    assert displaced == first
-    assert pairings == [Pairing(second, r)]  # the registration is served by the new source
-    assert rdv.source("t1") == second
+    rdv.add_registration(r, TARGETS)
+    complete(rdv, r)
+    assert rdv.claim(r.request).complete
+    rdv.add_registration(reg(attempt=1), TARGETS)
+    assert not rdv.claim(r.request).complete and not rdv.source_done("p-a")
 
 
-def test_second_source_before_any_registration(rdv):
-    first, second = src(key="a"), src(key="b")
-    rdv.add_source(first)
-    assert rdv.add_source(second) == ([], first)
-    r = reg()
-    assert rdv.add_registration(r) == (Pairing(second, r), None)
-
-
-def test_same_source_key_twice_is_stale(rdv):
-    s = src()
-    rdv.add_source(s)
+def test_same_source_twice_is_stale(rdv):
+    rdv.add_source(src())
     with pytest.raises(StaleEvent):
-        rdv.add_source(src(blocks=(4, 5)))  # same key, same transfer
-    assert rdv.source("t1") == s
+        rdv.add_source(src(blocks=(9,)))
+
+
+def test_a_claim_cannot_move_to_another_key(rdv):
+    rdv.add_registration(reg(digest="A"), TARGETS)
+    with pytest.raises(ConflictEvent):
+        rdv.add_registration(reg(digest="B", rank=1), TARGETS)
+
+
+def test_a_key_belongs_to_one_decoder_engine(rdv):
+    rdv.add_registration(reg(), TARGETS)
+    with pytest.raises(ConflictEvent):
+        rdv.add_registration(reg("e-1", engine="dec-1"), TARGETS)
 
 
 # -- cancel and peers ----------------------------------------------------------------------------
 
 
-def test_cancel_current_attempt_removes_it(rdv):
-    r = reg(attempt=2)
-    rdv.add_registration(r)
-    assert rdv.cancel("t1", 0, 2) == r
-    assert rdv.registrations("t1") == []
-    pairings, _ = rdv.add_source(src())
-    assert pairings == []  # nothing left to write to
-    # cancelling again, or an unknown rank / transfer, is a no-op
-    assert rdv.cancel("t1", 0, 2) is None
-    assert rdv.cancel("t1", 7, 0) is None
-    assert rdv.cancel("nope", 0, 0) is None
-
-
-def test_cancel_newer_attempt_than_current_removes_current(rdv):
+def test_cancel_drops_the_registration_and_resolves_the_rank(rdv):
     r = reg(attempt=1)
-    rdv.add_registration(r)
-    assert rdv.cancel("t1", 0, 3) == r
-    assert rdv.registrations("t1") == []
-
-
-def test_cancel_older_attempt_is_stale(rdv):
-    current = reg(attempt=3)
-    rdv.add_registration(current)
+    rdv.add_registration(r, TARGETS)
     with pytest.raises(StaleEvent):
-        rdv.cancel("t1", 0, 2)
-    assert rdv.registrations("t1") == [current]
+        rdv.cancel(r.request, 0, 0, rdv_key=r.rdv_key, engine_id="dec-0", targets=TARGETS)
+    assert rdv.registrations(r.rdv_key) == [r]
+    assert rdv.cancel(r.request, 0, 1, rdv_key=r.rdv_key, engine_id="dec-0",
+                      targets=TARGETS) == r
+    assert rdv.registrations(r.rdv_key) == [] and rdv.claim(r.request).complete
+    s = src()
+    assert rdv.add_source(s) == []  # takes the cancelled claim's share, writes nothing
+    assert rdv.source_done("p-a")
 
 
-def test_cancel_leaves_other_ranks(rdv):
+def test_a_cancel_for_a_request_never_seen_still_takes_its_share(rdv):
+    # its registration was lost or is still on the wire: the source must still be released
+    s = src()
+    rdv.add_source(s)
+    key = ("dec-0", "d-9")
+    assert rdv.cancel(key, 0, 0, rdv_key=("t1", ""), engine_id="dec-0", targets=TARGETS) is None
+    assert rdv.claim(key).source == "p-a" and rdv.source_done("p-a")
+
+
+def test_drop_peer_resolves_its_ranks(rdv):
     r0, r1 = reg(rank=0), reg(rank=1)
-    rdv.add_registration(r0)
-    rdv.add_registration(r1)
-    rdv.cancel("t1", 0, 0)
-    assert rdv.registrations("t1") == [r1]
+    rdv.add_registration(r0, (0, 1))
+    rdv.add_registration(r1, (0, 1))
+    assert rdv.drop_peer("agent-d1") == [r1]
+    assert rdv.registrations(("t1", "")) == [r0]
+    assert rdv.claim(r0.request).resolved == {1}
 
 
-def test_reregister_after_cancel(rdv):
-    rdv.add_registration(reg(attempt=1))
-    rdv.cancel("t1", 0, 1)
-    again = reg(attempt=2)
-    assert rdv.add_registration(again) == (None, None)
+# -- completion ----------------------------------------------------------------------------------
 
 
-def test_drop_peer(rdv):
-    a0 = reg("t1", rank=0, peer="A")
-    a1 = reg("t2", rank=0, peer="A")
-    b = reg("t1", rank=1, peer="B")
-    for r in (a0, a1, b):
-        rdv.add_registration(r)
-    rdv.add_source(src("t2", key="k2"))
-    dropped = rdv.drop_peer("A")
-    assert sorted(dropped, key=lambda r: r.transfer_id) == [a0, a1]
-    assert rdv.registrations("t1") == [b]
-    assert rdv.registrations("t2") == []
-    assert rdv.source("t2") is not None  # the source stays; only the peer's registrations go
-    assert rdv.drop_peer("A") == []
-    assert rdv.drop_peer("unknown") == []
+def test_a_source_is_done_when_its_capacity_went_to_complete_claims(rdv):
+    s = src(capacity=2)
+    rdv.add_source(s)
+    r1, r2 = reg("d-1"), reg("d-2")
+    rdv.add_registration(r1, TARGETS)
+    complete(rdv, r1)
+    assert not rdv.source_done("p-a")  # one unit of capacity left
+    rdv.add_registration(r2, TARGETS)
+    assert not rdv.source_done("p-a")
+    complete(rdv, r2)
+    assert rdv.source_done("p-a")
+    gone = rdv.remove_source("p-a")
+    assert [c.key for c in gone] == [r1.request, r2.request]
+    assert len(rdv) == 0 and rdv.num_claims == 0 and rdv.source("p-a") is None
 
 
-def test_drop(rdv):
-    rdv.add_registration(reg())
+def test_a_claim_is_complete_only_when_every_target_rank_is_resolved(rdv):
     rdv.add_source(src())
-    rdv.drop("t1")
-    assert "t1" not in rdv and len(rdv) == 0
-    rdv.drop("t1")  # idempotent
-    # the transfer id can be used afresh
-    assert rdv.add_registration(reg()) == (None, None)
+    r0 = reg(rank=0)
+    rdv.add_registration(r0, (0, 1))
+    complete(rdv, r0)
+    assert not rdv.source_done("p-a")
+    rdv.resolve(r0.request, 1)
+    assert rdv.source_done("p-a")
+
+
+def test_a_failed_prefill_pairs_like_a_source(rdv):
+    f = src("x", failure="aborted", blocks=())
+    r = reg()
+    rdv.add_registration(r, TARGETS)
+    assert rdv.add_source(f) == [Pairing(f, r)]
+
+
+def test_unknown_source_is_never_done(rdv):
+    assert not rdv.source_done("nope")
 
 
 # -- expiry --------------------------------------------------------------------------------------
 
 
-def test_unpaired_entries_expire(rdv, clock):
-    r = reg("only-reg")
-    rdv.add_registration(r)
-    s = src("only-src", key="k")
-    rdv.add_source(s)
-    clock.advance(9.99)
-    assert rdv.expire() == []
-    assert len(rdv) == 2
-    clock.advance(0.01)  # exactly ttl
-    expired = sorted(rdv.expire())
-    assert expired == [("only-reg", None, [r]), ("only-src", s, [])]
-    assert len(rdv) == 0
-    assert rdv.expire() == []
-
-
-def test_paired_entries_do_not_expire(rdv, clock):
-    s = src()
-    rdv.add_registration(reg())
-    rdv.add_source(s)
-    s2 = src("t2", key="k2")
-    rdv.add_source(s2)
-    rdv.add_registration(reg("t2"))
-    clock.advance(1e6)
-    assert rdv.expire() == []
-    assert "t1" in rdv and "t2" in rdv
-
-
-def test_expiry_counts_from_creation(rdv, clock):
-    rdv.add_registration(reg(rank=0))
-    clock.advance(6)
-    r1 = reg(rank=1)
-    rdv.add_registration(r1)  # a second half-entry does not restart the clock
-    clock.advance(4)
-    (tid, source, regs), = rdv.expire()
-    assert tid == "t1" and source is None and sorted(r.tp_rank for r in regs) == [0, 1]
-
-
-def test_entry_whose_pairing_was_cancelled_expires(rdv, clock):
-    s = src()
-    rdv.add_source(s)
-    rdv.add_registration(reg(attempt=0))
-    rdv.cancel("t1", 0, 0)
-    clock.advance(10)
-    assert rdv.expire() == [("t1", s, [])]
-
-
-def test_entry_whose_peer_died_expires(rdv, clock):
-    s = src()
-    rdv.add_source(s)
-    rdv.add_registration(reg(peer="A"))
-    rdv.drop_peer("A")
-    clock.advance(10)
-    assert rdv.expire() == [("t1", s, [])]
-
-
-def test_late_pair_within_ttl_keeps_entry(rdv, clock):
+def test_an_unassigned_claim_expires(rdv, clock):
     r = reg()
-    rdv.add_registration(r)
-    clock.advance(9)
-    rdv.add_source(src())
-    clock.advance(100)
-    assert rdv.expire() == []
+    rdv.add_registration(r, TARGETS)
+    clock.advance(9.9)
+    assert rdv.expire() == ([], [])
+    clock.advance(0.2)
+    claims, sources = rdv.expire()
+    assert [c.key for c in claims] == [r.request] and sources == []
+    assert len(rdv) == 0 and rdv.num_claims == 0
 
 
-def test_expired_entry_can_be_recreated(rdv, clock):
-    rdv.add_registration(reg(attempt=4))
+def test_a_source_expires_even_when_paired(rdv, clock):
+    # a decoder rank that never registers must not hold the prefill forever
+    s = src()
+    rdv.add_source(s)
+    rdv.add_registration(reg(rank=0), (0, 1))  # rank 1 never registers
     clock.advance(10)
-    rdv.expire()
-    # a fresh entry, without memory of the old attempt
-    assert rdv.add_registration(reg(attempt=0)) == (None, None)
+    assert rdv.expire() == ([], [s])
+    assert rdv.source_done("p-a")
+    assert rdv.expire() == ([], [])  # returned once
+    rdv.add_registration(reg("d-2"), TARGETS)  # an expired source takes no more claims
+    assert rdv.claim(("dec-0", "d-2")).source is None
 
 
-@pytest.mark.parametrize("ttl", [0, -1, -0.5])
+def test_an_assigned_claim_does_not_expire_on_its_own(rdv, clock):
+    rdv.add_registration(reg(), TARGETS)
+    clock.advance(5)
+    rdv.add_source(src())
+    clock.advance(6)  # the claim is 11 s old but has its source, which is 6 s old
+    assert rdv.expire() == ([], [])
+
+
+@pytest.mark.parametrize("ttl", [0, -1])
 def test_ttl_must_be_positive(ttl):
     with pytest.raises(ValueError):
         Rendezvous(ttl_s=ttl)
 
 
+def test_capacity_must_be_positive(rdv):
+    with pytest.raises(ValueError):
+        rdv.add_source(src(capacity=0))
+
+
 def test_default_clock_is_monotonic():
-    r = Rendezvous(ttl_s=1000)
-    r.add_registration(reg())
-    assert r.expire() == []
-    assert len(r) == 1
+    r = Rendezvous(ttl_s=1.0)
+    r.add_registration(reg(), TARGETS)
+    assert r.expire() == ([], [])

@@ -138,6 +138,47 @@ async def test_push_dispatches_both_legs_concurrently(endpoint: str, base: dict,
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+async def test_push_signs_both_legs_with_the_secret(monkeypatch, caplog):
+    """With KV_PUSH_SECRET the router signs each leg's kv_transfer_params (auth.py); the
+    connector verifies them with the same code. A client's own params never pass through."""
+    from kv_push.common.connector_scheduler import TransferParams, TransferParamsError
+
+    monkeypatch.setenv("KV_PUSH_SECRET", "router-secret")
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    client_params = {"transfer_id": "mine", "do_remote_prefill": True,
+                     "remote_host": "attacker.example", "remote_port": 9, "kv_push_sig": "x"}
+    with caplog.at_level("WARNING", logger="kv_push.router"):
+        async with cluster() as c:
+            (p,), (d,) = c.prefills, c.decodes
+            status, _, headers = await post(c, "/v1/completions",
+                                            dict(COMPLETION, kv_transfer_params=client_params))
+            assert status == 200
+            await eventually(lambda: bool(p.records) and p.records[0].completed, "P leg")
+            tid = headers["x-request-id"]
+            dp = TransferParams.parse(d.records[0].kv, b"router-secret")
+            assert (dp.transfer_id, dp.do_remote_prefill, dp.remote_host, dp.remote_port) == (
+                tid, True, "127.0.0.1", KV_BASE_PORT)
+            pp = TransferParams.parse(p.records[0].kv, b"router-secret")
+            assert (pp.transfer_id, pp.do_remote_decode) == (tid, True)
+            for kv in (d.records[0].kv, p.records[0].kv):
+                assert "router-secret" not in json.dumps(kv)
+                with pytest.raises(TransferParamsError):
+                    TransferParams.parse(kv, b"another-secret")
+    assert not any("unsigned" in r.getMessage() for r in caplog.records)
+    assert not any("router-secret" in r.getMessage() for r in caplog.records)
+
+
+async def test_push_without_a_secret_warns_that_params_go_out_unsigned(monkeypatch, caplog):
+    monkeypatch.delenv("KV_PUSH_SECRET", raising=False)
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    with caplog.at_level("WARNING", logger="kv_push.router"):
+        async with cluster() as c:
+            status, _, _ = await post(c, "/v1/completions", COMPLETION)
+            assert status == 200
+            assert "kv_push_sig" not in c.decodes[0].records[0].kv
+    assert any("unsigned" in r.getMessage() for r in caplog.records)
+
+
 async def test_push_late_prefill_failure_lets_decode_finish():
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes
@@ -477,6 +518,21 @@ async def test_probe_finds_an_incompatible_pair_before_any_request():
         assert (await c.client.get("/health")).json()["incompatible"] == []  # not read yet
         h = await c.client.get("/health", params={"probe": "true"})
         assert h.status_code == 503 and h.json()["incompatible"][0]["reason"] == REFUSAL
+
+
+async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
+    """``vllm bench serve`` calls /tokenize and /detokenize on the URL it benchmarks."""
+    async with cluster(n_d=2) as c:
+        r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"},
+                                headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200
+        assert r.json() == {"tokens": [97, 98, 99], "count": 3, "server": "d0",
+                            "authorization": "Bearer k"}
+        assert (await c.client.post("/detokenize", json={"tokens": [1]})).status_code == 404
+        assert not any(f.records for f in c.prefills + c.decodes)  # no legs dispatched
+    async with cluster(dead_decode=True) as c:
+        r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"})
+        assert r.status_code == 502 and "cannot connect" in r.json()["error"]["message"]
 
 
 # -- configuration -----------------------------------------------------------------------------

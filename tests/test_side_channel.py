@@ -290,6 +290,22 @@ def test_the_producer_hears_when_the_decoder_closes_its_side_channel(server):
     assert s.closed.get(timeout=WAIT) == HELLO
 
 
+def test_the_decoder_can_sever_its_lifeline_and_the_producer_hears_it(server):
+    # what a decoder does when a producer outlives the fence bound (issue 9 item 4)
+    s = server(lifeline=True)
+    closed: queue.SimpleQueue = queue.SimpleQueue()
+    severs: list = []
+    assert handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT, on_closed=closed.put,
+                     on_open=severs.append) == WELCOME
+    with pytest.raises(queue.Empty):
+        s.closed.get(timeout=0.2)
+    (sever,) = severs
+    sever()
+    assert s.closed.get(timeout=WAIT) == HELLO  # the producer drops the decoder
+    assert closed.get(timeout=WAIT) == WELCOME  # and our own watcher sees it closed
+    sever()  # twice: harmless
+
+
 def test_without_a_lifeline_the_handshake_closes_the_connection(server):
     s = server(lifeline=True)
     handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)  # no on_closed: closes at once

@@ -11,6 +11,7 @@ Liveness is tested deterministically with an injected clock, plus once in real t
 from __future__ import annotations
 
 import logging
+import socket
 
 import threading
 import time
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from kv_push.common import geometry as G
+from kv_push.common.auth import NotificationChannel
 from kv_push.common.config import PushConfig
 from kv_push.common.messages import (
     Cancel,
@@ -35,7 +37,7 @@ from kv_push.common.messages import (
 )
 from kv_push.common.metrics import Counters
 from kv_push.common.transfer_thread import Peer, RoleContext, TransferThread
-from kv_push.common.transport import TransportError
+from kv_push.common.transport import Transport, TransportError
 
 from fakes import FakeClock, FakeTransport, Wire
 
@@ -118,6 +120,14 @@ def test_unstarted_thread_is_a_role_context_driven_by_step():
     assert ta.closed and role.closed == 1
 
 
+def test_fake_transport_stands_in_for_every_member_of_the_seam():
+    wire = Wire()
+    a = FakeTransport(wire, "A")
+    seam = [n for n, v in vars(Transport).items() if not n.startswith("_") and callable(v)]
+    assert seam and all(callable(getattr(a, n, None)) for n in seam)
+    assert all(hasattr(a, n) for n in Transport.__annotations__)
+
+
 # -- roles and helpers ---------------------------------------------------------------------------
 
 
@@ -129,6 +139,9 @@ class RecordingRole:
     dead: list[Peer] = field(default_factory=list)
     dead_event: threading.Event = field(default_factory=threading.Event)
     dead_at: list[float] = field(default_factory=list)
+    silent: list[Peer] = field(default_factory=list)
+    silent_event: threading.Event = field(default_factory=threading.Event)
+    silent_at: list[float] = field(default_factory=list)
     ticks: int = 0
     closed: int = 0
     raise_on_message: BaseException | None = None
@@ -160,6 +173,11 @@ class RecordingRole:
         if self.raise_on_peer_dead is not None:
             raise self.raise_on_peer_dead
 
+    def on_peer_silent(self, peer: Peer) -> None:
+        self.silent.append(peer)
+        self.silent_at.append(time.monotonic())
+        self.silent_event.set()
+
     def close(self) -> None:
         self.closed += 1
 
@@ -179,8 +197,9 @@ def wait_until(pred, timeout: float = TIMEOUT) -> bool:
 
 
 def reg_msg(tid: str = "t1", engine: str = "B", rank: int = 0) -> Register:
-    return Register(transfer_id=tid, attempt=0, engine_id=engine, tp_rank=rank, block_ids=(1, 2),
-                    first_token=0, num_tokens=8, geometry_digest=DIGEST)
+    return Register(transfer_id=tid, reg_id=tid, prompt_digest="", attempt=0, engine_id=engine,
+                    tp_rank=rank, block_ids=(1, 2), first_token=0, num_tokens=8,
+                    geometry_digest=DIGEST)
 
 
 class Harness:
@@ -200,6 +219,7 @@ class Harness:
         for role in self.roles:
             self.t.add_role(role)
         self.codec = Codec(secret or None)
+        self.chan_b = NotificationChannel(self.codec, "B")  # B's side: seals for A, opens from A
         self.meta_a = b"meta:A"  # what A's metadata() says; not asked from this thread
         self.t.start()
 
@@ -213,11 +233,14 @@ class Harness:
         return self.t.call(lambda: self.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
                                                    digest=DIGEST), TIMEOUT)
 
-    def b_send(self, msg) -> None:
-        assert self.b.send_notif("A", self.codec.encode(msg))
+    def b_send(self, msg) -> bytes:
+        """Send ``msg`` from B to A as B's transfer thread would; returns the frame."""
+        frame = self.chan_b.seal("A", msg)
+        assert self.b.send_notif("A", frame)
+        return frame
 
     def b_received(self) -> list:
-        return [(s, Codec().decode(d)) for s, d in self.b.get_notifs()]
+        return [(s, self.chan_b.open(s, d)) for s, d in self.b.get_notifs()]
 
     def rejected(self, label: str) -> float:
         return self.counters.get("rejected", label=label)
@@ -306,8 +329,8 @@ def test_add_peer(h):
 
 def test_messages_reach_the_role_that_handles_them(h):
     h.connect_b()
-    msgs = [reg_msg("t1"), Cancel(transfer_id="t1", attempt=0, engine_id="B", tp_rank=0,
-                                  reason="x"), reg_msg("t2")]
+    msgs = [reg_msg("t1"), Cancel(transfer_id="t1", reg_id="t1", prompt_digest="", attempt=0,
+                                  engine_id="B", tp_rank=0, reason="x"), reg_msg("t2")]
     for m in msgs:
         h.b_send(m)
     sync(h.t)
@@ -317,7 +340,8 @@ def test_messages_reach_the_role_that_handles_them(h):
 
 def test_message_no_role_handles_is_unexpected(h):
     h.connect_b()
-    h.b_send(WriteDone(transfer_id="t", attempt=0, engine_id="B", tp_rank=0, num_bytes=1))
+    h.b_send(WriteDone(transfer_id="t", reg_id="t", attempt=0, engine_id="B", tp_rank=0,
+                       num_bytes=1))
     h.b_send(Refused(reason="x"))
     sync(h.t)
     assert h.rejected("unexpected") == 2
@@ -397,9 +421,10 @@ def test_rejections_with_authentication():
 # -- liveness ------------------------------------------------------------------------------------
 
 
-def test_heartbeats_keep_a_peer_alive_and_silence_kills_it():
+def test_heartbeats_keep_a_peer_alive_and_silence_marks_it_unresponsive():
     """Deterministic, with an injected clock. The interval (1/8 s, time-out 3/16 s) is exact in
-    binary, so clock arithmetic has no rounding."""
+    binary, so clock arithmetic has no rounding. Silence is not proof of death (issue 9 item 5):
+    the peer is marked unresponsive and the roles are told, but it stays in the table."""
     clock = FakeClock()
     iv = 0.125
     h = Harness(interval=iv, clock=clock)
@@ -418,29 +443,37 @@ def test_heartbeats_keep_a_peer_alive_and_silence_kills_it():
             sync(h.t)
             assert h.b_received() == []  # one heartbeat per interval, not per loop step
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-        assert h.role.dead == []  # 10 intervals, never silent for longer than one
+        assert h.role.silent == [] and h.role.dead == []  # never silent for longer than one
         # B falls silent; last heard at t=1.25
-        clock.t = 1.25 + 1.5 * iv  # exactly the time-out: not yet dead
+        clock.t = 1.25 + 1.5 * iv  # exactly the time-out: not yet
         sync(h.t)
-        assert h.role.dead == [] and h.counters.get("peers_dead") == 0
+        assert h.role.silent == [] and h.counters.get("peers_silent") == 0
         assert [type(m) for _, m in h.b_received()] == [Heartbeat]  # the one due at 1.375
         clock.t = 1.25 + 1.5 * iv + 1e-6
         sync(h.t)
-        assert [p.agent_name for p in h.role.dead] == ["B"]
-        assert h.counters.get("peers_dead") == 1
-        assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == set()
-        assert h.ta.removed == ["B"] and "B" not in h.ta.peers
-        # the dead peer was told, in case it is only slow
-        assert [type(m) for _, m in h.b_received()] == [Goodbye]
-        # and nothing more goes to it
+        assert [p.agent_name for p in h.role.silent] == ["B"]
+        assert h.counters.get("peers_silent") == 1
+        # not taken for dead: still a peer, still heartbeated, no goodbye, nothing removed
+        assert h.role.dead == [] and h.counters.get("peers_dead") == 0
+        assert h.t.call(lambda: h.t.peers["B"].silent, TIMEOUT) is True
+        assert h.ta.removed == []
         clock.t = 3.0
         sync(h.t)
-        assert h.b_received() == []
-        # it is a stranger now
+        assert set(type(m) for _, m in h.b_received()) == {Heartbeat}
+        assert len(h.role.silent) == 1  # told once
+        # it speaks again: no longer silent, and a new silence is told again
         h.b_send(Heartbeat(engine_id="B", tp_rank=0, seq=99))
         sync(h.t)
-        assert h.rejected("unknown_peer") == 1
-        assert len(h.role.dead) == 1
+        assert h.t.call(lambda: h.t.peers["B"].silent, TIMEOUT) is False
+        clock.t = 4.0
+        sync(h.t)
+        assert len(h.role.silent) == 2
+        # only proof drops it: its lifeline closing
+        h.t.peer_lost("B", "its side channel closed")
+        sync(h.t)
+        assert [p.agent_name for p in h.role.dead] == ["B"]
+        assert h.counters.get("peers_dead") == 1 and h.ta.removed == ["B"]
+        assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == set()
     finally:
         h.close()
 
@@ -460,21 +493,22 @@ def test_any_message_counts_as_a_sign_of_life():
         h.close()
 
 
-def test_silent_peer_declared_dead_in_real_time():
+def test_silent_peer_found_unresponsive_in_real_time():
     interval = 0.5
     h = Harness(interval=interval)
     try:
         t0 = time.monotonic()  # before B is added, so elapsed >= B's actual silence
         h.connect_b()
-        assert h.role.dead_event.wait(TIMEOUT), "a silent peer was never declared dead"
-        elapsed = h.role.dead_at[0] - t0
-        print(f"\nsilent peer declared dead after {elapsed:.3f}s (time-out {1.5 * interval:.2f}s)")
-        assert elapsed > 1.5 * interval  # never before the time-out (the wait above bounds it)
-        assert [p.agent_name for p in h.role.dead] == ["B"]
-        assert h.counters.get("peers_dead") == 1
-        assert h.ta.removed == ["B"]
+        assert h.role.silent_event.wait(TIMEOUT), "a silent peer was never noticed"
+        elapsed = h.role.silent_at[0] - t0
+        print(f"\nsilent peer found unresponsive after {elapsed:.3f}s "
+              f"(time-out {1.5 * interval:.2f}s)")
+        assert elapsed > 1.5 * interval  # never before the time-out
+        assert [p.agent_name for p in h.role.silent] == ["B"]
+        assert h.counters.get("peers_silent") == 1
+        assert h.role.dead == [] and h.ta.removed == []  # silence alone is not death
         received = [type(m) for _, m in h.b_received()]
-        assert received[-1] is Goodbye and set(received[:-1]) <= {Heartbeat}
+        assert set(received) <= {Heartbeat}
     finally:
         h.close()
 
@@ -548,7 +582,7 @@ def test_on_peer_dead_raising_still_removes_the_peer(h):
 @pytest.mark.parametrize("secret_a,secret_b,outcome", [
     (b"", b"", "handled"),
     (b"s", b"s", "handled"),
-    (b"s", b"", "handled"),  # a receiver without a secret accepts MAC'd messages
+    (b"s", b"", "secret_mismatch"),  # a secret on one side only is refused, both ways
     (b"", b"s", "unauthenticated"),
     (b"s", b"t", "bad_mac"),
 ])
@@ -667,13 +701,20 @@ def test_worker_describes_what_it_holds_and_logs_it_when_asked(monkeypatch, capl
     try:
         with caplog.at_level(logging.WARNING, logger="kv_push"):
             w.start()
-            assert w.describe() == {"peers": [], "wants": [], "sources": [], "jobs": [],
-                                    "transfers": {}, "rendezvous": 0}
+            assert w.describe() == {"peers": [], "wants": [], "parked": 0, "sources": [],
+                                    "jobs": [], "rendezvous": 0, "claims": 0, "orphans": 0}
             w.prefill_done("p1", "t1", (0, 1), 8)  # no decoder registered: held
             assert wait_until(lambda: w.describe()["sources"] == [("p1", "t1")])
             assert w.describe()["rendezvous"] == 1
             assert wait_until(lambda: any("kv_push state" in r.getMessage()
                                           and "'p1'" in r.getMessage()
                                           for r in caplog.records))
+            with socket.socket() as hung:  # a "producer" that never answers the handshake
+                hung.bind(("127.0.0.1", 0))
+                hung.listen(1)
+                w.expect("d1", "t2", 0, hung.getsockname()[:2], (2, 3), 0, 8)
+                assert wait_until(lambda: w.describe()["wants"] != [])
+                (want,) = w.describe()["wants"]
+                assert (want["key"], want["tid"], want["state"]) == ("d1", "t2", "connecting")
     finally:
         w.close()

@@ -13,6 +13,8 @@ When a D leg fails because D refused that P at the KV handshake (``compat``: rea
 ``/metrics``), the client's error says so and why (type ``incompatible_peers``), and ``/health``
 lists the pair.
 
+With ``KV_PUSH_SECRET`` (or ``KV_PUSH_SECRET_FILE``) in the router's environment, the push
+mode signs both legs' ``kv_transfer_params`` (``kv_push_sig``, :mod:`kv_push.common.auth`).
 What each mode sends and why (with the vLLM source it was read from): ``docs/router.md``.
 """
 
@@ -35,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
+from kv_push.common.auth import TransferParamsSigner
 from kv_push.common.router.compat import PairCompat, parse_refusals
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.pool import Backend, BackendPool
@@ -249,6 +252,12 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task] = set()
         self.compat = PairCompat()
+        # push mode: signs both legs' kv_transfer_params with KV_PUSH_SECRET (or the file named
+        # by KV_PUSH_SECRET_FILE); P and D with the secret act on signed params only
+        self.signer = TransferParamsSigner.from_env()
+        if config.mode == "push" and not self.signer.enabled:
+            logger.warning("no KV_PUSH_SECRET: kv_transfer_params go out unsigned (P and D with "
+                           "a secret will serve such requests without KV transfer)")
 
     async def start(self) -> None:
         c = self.config
@@ -403,8 +412,9 @@ class Router:
             body["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):  # min_tokens > 1 would make vLLM reject it
             body.pop(key, None)
-        body["kv_transfer_params"] = ({"transfer_id": ex.tid, "do_remote_decode": True}
-                                      if self.config.mode == "push" else dict(PULL_PREFILL_PARAMS))
+        body["kv_transfer_params"] = (
+            self.signer.sign({"transfer_id": ex.tid, "do_remote_decode": True})
+            if self.config.mode == "push" else dict(PULL_PREFILL_PARAMS))
         return body
 
     def _decode_params(self, ex: Exchange) -> dict | None:
@@ -412,8 +422,8 @@ class Router:
         spec = ex.p.backend.spec
         assert spec is not None
         if self.config.mode == "push":
-            return {"transfer_id": ex.tid, "do_remote_prefill": True,
-                    "remote_host": spec.kv_host, "remote_port": spec.kv_port}
+            return self.signer.sign({"transfer_id": ex.tid, "do_remote_prefill": True,
+                                     "remote_host": spec.kv_host, "remote_port": spec.kv_port})
         if self.config.mode == "upstream-push" and (peer := self.peers.get(spec.url)):
             # remote_request_id: present (metadata.py indexes it) but None (P's id is unknown).
             return {"do_remote_prefill": True, "do_remote_decode": False,
@@ -536,12 +546,18 @@ class Router:
             info[b.role].append(entry)
         return JSONResponse(info, status_code=503 if unusable else 200)
 
-    async def models(self) -> Response:
-        """``GET /v1/models`` of the first decode server."""
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode
+        server and return its answer as is: for what every server answers alike (``/v1/models``,
+        ``/tokenize``, ``/detokenize``: one model and tokenizer behind the router). A connection
+        failure or time-out is the usual OpenAI-style 502 / 504."""
         assert self.client is not None
         url = self.decode_pool.backends[0].url
+        headers = {k: v for k, v in request.headers.items()
+                   if k in ("authorization", "content-type")}
         try:
-            r = await self.client.get(url + "/v1/models")
+            r = await self.client.request(request.method, url + path,
+                                          content=await request.body(), headers=headers)
         except httpx.HTTPError as exc:
             return self.failure(None, "decode", url, exc).to_response(None)
         return Response(r.content, status_code=r.status_code,
@@ -572,8 +588,17 @@ def build_app(config: RouterConfig) -> FastAPI:
         return await router.handle(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        return await router.forward(request, "/v1/models")
+
+    # `vllm bench serve` aligns its prompts to the server's tokenizer through these
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await router.forward(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await router.forward(request, "/detokenize")
 
     @app.get("/health")
     async def health(probe: bool = False) -> Response:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..geometry import TokenOrder, pool_bytes, pooled
+from ..geometry import TokenOrder, local_heads, pool_bytes, pooled
 from . import pattern
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ class HostPool:
                  dtype_bytes: int, block_size: int, num_blocks: int, tp_size: int = 1,
                  tp_rank: int = 0, token_order: TokenOrder = "NHD", dtype: str = "bfloat16",
                  fill: int | None = 0):
-        local = max(1, num_kv_heads // tp_size)
+        local = local_heads(num_kv_heads, tp_size)
         block_bytes = block_size * local * head_size * dtype_bytes
         nbytes = pool_bytes(placement=placement, num_layers=num_layers, num_blocks=num_blocks,
                             block_bytes=block_bytes)

@@ -41,6 +41,7 @@ class PeerSpec:
     engine_id: str = ""
     config: dict = field(default_factory=dict)  # PushConfig fields
     env: dict = field(default_factory=dict)  # set in the child's environment
+    secret: str = field(default="", repr=False)  # the child's KV_PUSH_SECRET
     # "host": a numpy HostPool; "torch:cuda" / "torch:cpu": per-layer torch tensors (torch_pool)
     memory: str = "host"
     alloc: str = "per_layer"  # torch memory: one allocation per layer (as vLLM) or "pool"

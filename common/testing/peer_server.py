@@ -51,7 +51,8 @@ class PeerServer:
 
         self.spec = spec
         self.memory = make_memory(spec)
-        config = PushConfig.from_sources(spec.config, env={})
+        config = PushConfig.from_sources(
+            spec.config, env={"KV_PUSH_SECRET": spec.secret} if spec.secret else {})
         self.worker = PushWorker(geometry=self.memory.geometry, role=spec.role, config=config,
                                  engine_id=spec.engine_id or None,
                                  backend=self.memory.backend).start()
@@ -189,26 +190,35 @@ class PeerServer:
         return t.call(t.transport.metadata, 10.0)
 
     def inject(self, kind: str, fields: dict | None = None, raw: bytes | None = None,
-               to_engine: str | None = None) -> int:
+               to_engine: str | None = None, times: int = 1) -> int:
         """Send ``messages.<kind>(**fields)`` (engine_id / tp_rank / geometry_digest default to
-        this worker's) or ``raw`` bytes as a NIXL notification to every known peer (or those of
-        engine ``to_engine``), from the transfer thread. Returns how many peers it went to."""
+        this worker's, reg_id to the transfer id, prompt_digest to "", sealed for each peer as the transfer thread would) or ``raw`` bytes as a
+        NIXL notification to every known peer (or those of engine ``to_engine``), from the
+        transfer thread; ``times`` > 1 sends the very same frame again (a replay). Returns how
+        many notifications went out."""
         from .. import messages as M
         t = self.worker.thread
 
         def send() -> int:
+            msg = None
             if raw is not None:
                 data = bytes(raw)
             else:
                 f = {"engine_id": t.engine_id, "tp_rank": t.tp_rank, **(fields or {})}
+                if kind in ("Register", "WriteDone", "Cancel", "CancelAck", "TransferFailed"):
+                    f.setdefault("reg_id", f.get("transfer_id", ""))
+                if kind in ("Register", "Cancel"):
+                    f.setdefault("prompt_digest", "")
                 if kind == "Register":
                     f.setdefault("geometry_digest", M.geometry_digest(t.geometry))
                     f["block_ids"] = tuple(int(b) for b in f["block_ids"])
-                data = t.codec.encode(getattr(M, kind)(**f))
+                msg = getattr(M, kind)(**f)
             sent = 0
             for name, peer in list(t.peers.items()):
                 if to_engine is None or peer.engine_id == to_engine:
-                    sent += bool(t.transport.send_notif(name, data))
+                    frame = data if msg is None else t.seal(name, msg)
+                    for _ in range(times):
+                        sent += bool(t.transport.send_notif(name, frame))
             return sent
         return t.call(send, 10.0)
 

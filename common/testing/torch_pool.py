@@ -89,7 +89,9 @@ class TorchMemory:
     def __init__(self, spec: PeerSpec, device: str):
         import torch
 
-        from ..backend import HostBackend, describe_kv_caches
+        from ..backend import HostBackend
+        from ..geometry import local_heads
+        from ..kv_tensors import describe_kv_caches
 
         self.torch = torch
         if device == "cuda":
@@ -102,7 +104,7 @@ class TorchMemory:
             self.backend = HostBackend()
         else:
             raise ValueError(f"torch memory on {device!r}: use cuda or cpu")
-        local_heads = max(1, spec.num_kv_heads // spec.tp_size)
+        local_heads = local_heads(spec.num_kv_heads, spec.tp_size)
         nb, bs, d = spec.num_blocks, spec.block_size, spec.head_size
         if spec.dtype_bytes != 2:
             raise ValueError("torch memory is bf16 KV (dtype_bytes 2)")
