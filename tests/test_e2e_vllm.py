@@ -211,13 +211,8 @@ def test_client_disconnect_leaves_no_work_behind(stack, prompts, figures):
 
 
 # -- issue 9, item 1: one client request, several engine requests ------------------------------
-# vLLM splits a prompt list or n > 1 into engine requests that share one kv_transfer_params.
-# Until transfer identity is unique per engine request (the fix is on another branch), one of
-# them waits for KV that never comes (or two share one transfer): these fail here by their
-# bound. strict: once the fix is merged they pass, and XPASS fails the run until this mark goes.
-ITEM1 = pytest.mark.xfail(strict=True, reason=(
-    "issue 9 item 1 (engine requests sharing one transfer id): fixed on another branch; "
-    "remove this mark when that fix is merged"))
+# vLLM splits a prompt list or n > 1 into engine requests that share one kv_transfer_params;
+# each must get the KV of its own prompt (transfer identity per engine request), within a bound.
 
 
 def _split_request(stack, name: str, req: dict) -> None:
@@ -235,11 +230,9 @@ def _split_request(stack, name: str, req: dict) -> None:
                                              stack["reference"][name])
 
 
-@ITEM1
 def test_prompt_list_matches_single_server(stack, prompts):
     _split_request(stack, "list", list_request(prompts))
 
 
-@ITEM1
 def test_n2_seeded_sampling_matches_single_server(stack, prompts):
     _split_request(stack, "n2", n2_request(prompts))
