@@ -14,7 +14,7 @@
   (two per server, each bound to one of the two cores) the producer's first P/D request never
   got its KV -- the producer workers' transfer threads stalled for about a minute (a handshake
   to producer rank 1 timed out after 60 s waiting for its first frame; producer rank 0 was
-  silent for 45 s; the producer's inbox reported 61 s of queue wait), in three runs out of three.
+  silent for 45 s; the producer's inbox reported 61 s of queue wait), in four runs out of four.
 
 They run on the first vLLM environment only (``KV_PUSH_E2E_HEAVY=all``: every one), so that
 ``make test``, which runs two versions, stays short.
