@@ -495,6 +495,22 @@ async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+async def test_a_stream_without_any_output_is_a_decode_failure():
+    """vLLM 0.29 drops a failed request's error from its stream: only ``data: [DONE]`` comes.
+    The router answers with an error instead of an empty 200 stream (and explains a refusal)."""
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.n_chunks = 0
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["type"] == "decode_error" and "without any output" in err["message"]
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
+        assert r.status_code == 500 and r.json()["error"]["type"] == "incompatible_peers"
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
 async def test_refusal_of_another_producer_is_not_blamed():
     async with cluster(n_p=2) as c:
         d = c.decodes[0]

@@ -98,6 +98,12 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+class EmptyStream(Exception):
+    """D's stream ended before any output: vLLM 0.29 drops a failed request's error from its
+    stream (the error chunk carries no token, and empty chunks are skipped), leaving only
+    ``data: [DONE]``."""
+
+
 def _upstream_message(resp: httpx.Response) -> str:
     """The error message in an upstream error body (OpenAI or vLLM style), else the raw text."""
     try:
@@ -286,6 +292,10 @@ class Router:
             kind, status, msg = "timeout", 504, f"{leg} backend {url} timed out: {exc!r}"
         elif isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             kind, status, msg = "connect", 502, f"cannot connect to {leg} backend {url}: {exc!r}"
+        elif isinstance(exc, EmptyStream):
+            kind, status, msg = "empty_stream", 502, (
+                f"{leg} backend {url} ended the stream without any output (the request failed "
+                "there; its log says why)")
         elif isinstance(exc, ValueError):
             kind, status, msg = "bad_response", 502, f"{leg} backend {url} sent bad JSON: {exc}"
         else:
@@ -348,8 +358,11 @@ class Router:
                 async for first in rest:
                     if first:
                         break
-                if first.lstrip().startswith(b'data: {"error"'):  # failed before any output
+                head = first.lstrip()
+                if head.startswith((b'data: {"error"', b"data: [DONE]")):  # no output at all
                     await self._explain_decode_failure(ex)
+                    if head.startswith(b"data: [DONE]"):
+                        raise self.failure(ex, "decode", url, EmptyStream())
             else:
                 first = await resp.aread()
             self.metrics.ttfb.labels(**ex.labels).observe(time.perf_counter() - ex.t0)
