@@ -87,19 +87,28 @@ def wait_counter(peer, name: str, target: float, timeout: float = 60.0) -> None:
 
 
 class Pair:
-    """P and D for one block size, both push workers and both second agents connected."""
+    """P and D for one block size, both push workers and both second agents connected.
 
-    def __init__(self, args, bs: int, blocks: int):
+    By default both sides are kv_split NHD with ``args``' model shape. ``kv_heads`` overrides
+    the model's KV heads; ``d`` overrides D's PeerSpec fields (e.g. block_size, token_order,
+    num_blocks); ``config`` is added to both workers' PushConfig; ``server`` is the child class
+    ("module:Class", a ``BenchPeerServer``).
+    """
+
+    def __init__(self, args, bs: int, blocks: int, *, kv_heads: int | None = None,
+                 d: dict | None = None, config: dict | None = None, server: str = SERVER):
         # torch tensors on the device, as vLLM allocates them (common/testing/torch_pool.py)
-        common = dict(placement="kv_split", num_layers=args.layers, num_kv_heads=args.kv_heads,
-                      head_size=args.head_size, dtype_bytes=2, block_size=bs, num_blocks=blocks,
-                      token_order="NHD", memory=f"torch:{args.device}", alloc=args.alloc)
-        hb = {"heartbeat_interval_s": args.heartbeat_s}
+        common = dict(placement="kv_split", num_layers=args.layers,
+                      num_kv_heads=kv_heads or args.kv_heads, head_size=args.head_size,
+                      dtype_bytes=2, block_size=bs, num_blocks=blocks, token_order="NHD",
+                      memory=f"torch:{args.device}", alloc=args.alloc)
+        hb = {"heartbeat_interval_s": args.heartbeat_s, **(config or {})}
         self.P, self.D = start_pair(
             PeerSpec(role="producer", engine_id="gpubench-prefill",
                      config={"side_channel_port": 0, **hb}, **common),
-            PeerSpec(role="decoder", engine_id="gpubench-decode", config=hb, **common),
-            server=SERVER)
+            PeerSpec(role="decoder", engine_id="gpubench-decode", config=hb,
+                     **{**common, **(d or {})}),
+            server=server)
         self.address = self.P.call("address")
         self.pgeo, self.dgeo = self.P.call("geometry"), self.D.call("geometry")
         self.info = self.P.call("info")

@@ -12,6 +12,15 @@ per-address check to ``verify_regions``), and add one entry to ``BACKENDS``. Ten
 (``kv_tensors.describe_kv_caches``) needs nothing from a backend but ``mem_type`` and
 ``device_id``; the config accepts every name in ``BACKENDS``.
 
+Staging memory (optional)
+-------------------------
+``alloc_staging(nbytes, dev_id) -> (address, keepalive)``: memory for a staging pool of the staged
+transfer path (``staged.py``), of the backend's ``mem_type`` on device ``dev_id``, aligned to
+``STAGING_ALIGN``, staying allocated while ``keepalive`` is referenced; ``BackendError`` when it
+cannot. ``default_staging_bytes`` is the pool size the config's ``-1`` stands for (0: no pool
+unless configured). ``PushWorker`` registers the pool next to the KV. A backend without
+``alloc_staging`` never stages (the region path only).
+
 Lifecycle (``worker.PushWorker``, in each vLLM worker process, on the thread that builds it)
 ---------------------------------------------------------------------------------------------
 ``select_backend`` (class ``available()`` for detection, then an instance) -> ``device_id`` for
@@ -170,6 +179,10 @@ def verify_regions(
     return results
 
 
+#: alignment of a staging pool's base (slots are aligned relative to it)
+STAGING_ALIGN = 4096
+
+
 class HostBackend:
     """KV cache in host DRAM (vLLM's CPU build, tests, the demo). Always available."""
 
@@ -177,6 +190,8 @@ class HostBackend:
     mem_type = "DRAM"
     nixl_backends = ("UCX",)
     nixl_progress_thread = False
+    #: host KV blocks are copied whole as large regions already: no pool unless configured
+    default_staging_bytes = 0
 
     @classmethod
     def available(cls) -> bool:
@@ -190,6 +205,20 @@ class HostBackend:
 
     def verify_registration(self, geometry: KVGeometry) -> None:
         verify_regions(self, geometry)  # any host address can be registered as DRAM
+
+    def alloc_staging(self, nbytes: int, dev_id: int = 0) -> tuple[int, Any]:
+        """``nbytes`` of host memory aligned to ``STAGING_ALIGN`` (a numpy buffer)."""
+        import numpy as np
+
+        if nbytes <= 0:
+            raise BackendError(f"a staging pool needs a positive size, got {nbytes}")
+        try:
+            buf = np.empty(nbytes + STAGING_ALIGN, dtype=np.uint8)
+        except MemoryError:
+            raise BackendError(f"cannot allocate {nbytes} bytes of host staging memory") from None
+        skip = -buf.ctypes.data % STAGING_ALIGN
+        view = buf[skip: skip + nbytes]
+        return int(view.ctypes.data), view
 
 
 def _load(spec: str) -> type:

@@ -68,6 +68,19 @@ class PushConfig:
     max_post_regions: int = 8192
     #: how long the transfer thread sleeps when idle (it spins while transfers are in flight)
     idle_poll_s: float = 0.001
+    #: staged transfers (pack into a registered staging buffer, a few large WRITEs, unpack):
+    #: "auto" uses them when both sides have a staging pool with room, else the region path
+    #: (counted in ``staged_fallback{reason}``); "off" allocates no pool and never stages
+    staged: str = "auto"
+    #: bytes of the staging pool a decoder (resp. producer) worker allocates and registers next
+    #: to its KV; -1: the memory backend's default (cuda: 2 GiB, host: 0 = no pool), 0: none.
+    #: A decoder slot holds one request's KV for this rank; a producer holds one request's
+    #: sub-slice per decoder rank it writes to, so requests larger than the pool take the
+    #: region path. See docs/gpu.md for ``--gpu-memory-utilization``.
+    decoder_staging_bytes: int = -1
+    producer_staging_bytes: int = -1
+    #: target bytes of one staged chunk (one WRITE + one notice; a group of whole layers)
+    staging_chunk_bytes: int = 512 << 20
 
     @property
     def peer_timeout_s(self) -> float:
@@ -95,6 +108,15 @@ class PushConfig:
         if any(b not in NIXL_BACKENDS for b in self.nixl_backends):
             raise ConfigError(
                 f"nixl_backends must be from {NIXL_BACKENDS}, got {self.nixl_backends}")
+        if self.staged not in ("auto", "off"):
+            raise ConfigError(f"staged must be auto or off, got {self.staged!r}")
+        for name in ("decoder_staging_bytes", "producer_staging_bytes"):
+            if getattr(self, name) < -1:
+                raise ConfigError(f"{name} must be -1 (backend default), 0 (none) or a size in "
+                                  f"bytes, got {getattr(self, name)!r}")
+        if self.staging_chunk_bytes <= 0:
+            raise ConfigError(f"staging_chunk_bytes must be positive, got "
+                              f"{self.staging_chunk_bytes!r}")
         return self
 
     @classmethod

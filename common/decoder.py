@@ -49,6 +49,14 @@ notification arrives, a stalled producer resumes and a posted WRITE lands (or fa
 Handshakes run on a small thread pool (or the ``executor`` given) with a time-out, so a producer
 that hangs delays only the requests that need it; their results come back through
 ``RoleContext.submit``.
+
+Staged transfers (``staged.py``): with a ``StagedReceiver`` the Hello announces the staging
+region, a registration carries a slot when one fits, staged notices are unpacked as they arrive
+(counted in ``seen`` like region notices, so ``chunks_done`` covers them), and a writer rank
+that sent staged notices has *arrived* only once all its chunks are unpacked. The slot is held
+exactly as long as the want's blocks are: it is released in ``_finish``, and a fenced want
+finishes only once no unpack of it still runs (chunks that arrive while fenced are counted, not
+unpacked).
 """
 
 from __future__ import annotations
@@ -120,10 +128,13 @@ class _Told:
     chunks: int = 0  # chunks of its WRITE, from its notices (0: none seen yet)
     due: int | None = None  # it answered: this many chunks completed (notices due)
     dead: bool = False
+    staged: bool = False  # its notices are staged: its chunks land in the slot, then unpack
+    unpacked: bool = False  # staged: every chunk arrived and none is still unpacking
 
     @property
     def arrived(self) -> bool:
-        return self.writes and self.chunks > 0 and len(self.seen) >= self.chunks
+        return (self.writes and self.chunks > 0 and len(self.seen) >= self.chunks
+                and (not self.staged or self.unpacked))
 
     @property
     def quiet(self) -> bool:
@@ -161,10 +172,12 @@ class Decoder:
 
     def __init__(self, ctx: RoleContext, *, max_handshakes: int = 8,
                  handshake_fn: Callable[..., Welcome] = handshake,
-                 executor: Executor | None = None):
+                 executor: Executor | None = None, staged=None):
         """``handshake_fn`` has the signature of ``side_channel.handshake``; it runs on
-        ``executor`` (default: a pool of ``max_handshakes`` threads, shut down by ``close``)."""
+        ``executor`` (default: a pool of ``max_handshakes`` threads, shut down by ``close``).
+        ``staged``: a ``staged.StagedReceiver`` when this worker has a staging pool."""
         self.ctx = ctx
+        self.staged = staged
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.remotes: dict[Address, _Remote] = {}
         self.wants: dict[str, _Want] = {}  # engine key -> its current want
@@ -196,7 +209,8 @@ class Decoder:
             self._hello = Hello(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                                 agent_metadata=self.ctx.metadata(),
                                 geometry=self.ctx.geometry, compat_hash=COMPAT_HASH,
-                                nixl_version=self.ctx.nixl_version)
+                                nixl_version=self.ctx.nixl_version,
+                                staging=self.staged.region() if self.staged else None)
         return self._hello
 
     # -- engine events -------------------------------------------------------------------------
@@ -262,19 +276,35 @@ class Decoder:
         if want.num_tokens <= want.first_token:
             writers = set()  # nothing to receive: a registration only so the producer lets go
         want.state = "registered"  # from the first registration on, blocks may be written
+        slot = self._reserve_slot(want, remote, writers)  # released in ``_finish``
         for rank in sorted(needed):
             peer = remote.rank_peers[rank]
             reg = Register(transfer_id=want.transfer_id, reg_id=want.reg_id,
                            prompt_digest=want.prompt_digest, attempt=want.attempt,
                            engine_id=self.ctx.engine_id, tp_rank=g.tp_rank,
                            block_ids=want.block_ids, first_token=want.first_token,
-                           num_tokens=want.num_tokens, geometry_digest=self.digest)
+                           num_tokens=want.num_tokens, geometry_digest=self.digest, slot=slot)
             if not self.ctx.send(peer, reg):
                 self._fail(want, f"could not notify producer rank {rank}")  # fences those told
                 return
             want.told[rank] = _Told(peer, writes=rank in writers)
             self.ctx.counters.inc("registrations_sent")
         self._check(want)
+
+    def _reserve_slot(self, want: _Want, remote: _Remote, writers: set[int]):
+        """A staging slot for ``want`` (its writers all connected), or None: the region path."""
+        if self.staged is None or not writers:
+            return None
+        agents = [remote.rank_peers[r] for r in sorted(writers)]
+        peer = self.ctx.peer(agents[0])
+        if peer is None:
+            return None
+        return self.staged.reserve(self._wid(want), agents, peer.geometry, want.block_ids,
+                                   want.first_token, want.num_tokens)
+
+    @staticmethod
+    def _wid(want: _Want) -> tuple[str, int]:
+        return (want.reg_id, want.attempt)  # what ``by_reg`` knows it by
 
     def _connect(self, remote: _Remote, rank: int, port: int) -> None:
         if rank in remote.connecting:
@@ -350,6 +380,8 @@ class Decoder:
             self._on_handshake_failed(remote, rank, str(e), refused=refused)
             return
         self.ctx.counters.inc("handshakes")
+        if self.staged is not None:
+            self.staged.note_producer(peer.agent_name, welcome.staging)
         self._lifeline[peer.agent_name] = token
         if sever is not None:
             self._severs[peer.agent_name] = sever
@@ -412,14 +444,54 @@ class Decoder:
         if isinstance(msg, WriteDone):
             if not told.writes:
                 raise MessageRejected("unexpected", f"WriteDone from non-writer rank {msg.tp_rank}")
+            # its WRITE landed, whatever we make of it: the fence counts it (``chunks_done``)
+            first = not told.seen
             told.seen.add(msg.chunk)
             told.chunks = msg.chunks
+            if msg.staged or told.staged:
+                self._on_staged_chunk(want, told, msg, first)
+                return
         else:  # CancelAck or TransferFailed: it writes nothing more; chunks_done may be on the way
             told.due = max(told.due or 0, msg.chunks_done)
             if want.state == "registered" and told.writes and not told.arrived:
                 why = msg.reason if isinstance(msg, TransferFailed) else "cancelled"
                 self._fail(want, f"producer rank {msg.tp_rank}: {why}")
         self._check(want)
+
+    def _on_staged_chunk(self, want: _Want, told: _Told, msg: WriteDone, first: bool) -> None:
+        """A staged notice (or a plain one from a rank that sent staged ones): unpack it."""
+        try:
+            if self.staged is None:
+                raise MessageRejected("unexpected", "staged notice, but this decoder has no "
+                                      "staging pool")
+            if not msg.staged or not (first or told.staged):
+                raise MessageRejected("invalid", f"producer rank {msg.tp_rank} mixes staged and "
+                                      "region notices")
+            told.staged = True
+            self.staged.on_chunk(self._wid(want), msg.tp_rank, msg,
+                                 unpack=want.state == "registered")
+        except MessageRejected as e:
+            self._fail(want, f"producer rank {msg.tp_rank}: {e}")  # only while registered
+            self._check(want)
+            raise
+        self._staged_progress()
+        self._check(want)
+
+    def _staged_progress(self) -> None:
+        """Writer ranks whose staged chunks are all unpacked have arrived; fenced wants whose
+        last unpack ended may finish."""
+        for wid, ranks in self.staged.poll():
+            want = self.by_reg.get(wid)
+            if want is None:
+                continue
+            for rank in ranks:
+                told = want.told.get(rank)
+                if told is not None:
+                    told.unpacked = True
+            self._check(want)
+
+    def _unpacking(self, want: _Want) -> bool:
+        return self.staged is not None and self.staged.unpacking(self._wid(want))
 
     # -- state changes -------------------------------------------------------------------------
     def _fail(self, want: _Want, reason: str) -> None:
@@ -483,7 +555,7 @@ class Decoder:
                     self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - want.started)
                 self._finish(want, "received", "")
         elif want.state == "fencing":
-            if all(t.quiet for t in want.told.values()):
+            if all(t.quiet for t in want.told.values()) and not self._unpacking(want):
                 self._finish(want, want.outcome, want.reason)
 
     def _finish(self, want: _Want, kind: str, reason: str) -> None:
@@ -493,6 +565,8 @@ class Decoder:
         want.state = "done"
         if self.by_reg.get((want.reg_id, want.attempt)) is want:
             del self.by_reg[(want.reg_id, want.attempt)]
+            if self.staged is not None:
+                self.staged.release(self._wid(want))  # its blocks are no longer fenced
         if want.superseded:
             left = self.superseded[want.key] - 1
             if left:
@@ -514,6 +588,8 @@ class Decoder:
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        if self.staged is not None:
+            self._staged_progress()
         for agent, when in list(self._giving_up.items()):
             if now >= when:
                 del self._giving_up[agent]
@@ -562,8 +638,9 @@ class Decoder:
         # Waiting for WriteDone needs NIXL progress on this side, but polling every
         # idle_poll_s gives it: spinning here took a core from the producer's copy on small
         # hosts (benchmarks/results/transfer.md: push* vs push) for at most idle_poll_s less
-        # latency.
-        return False
+        # latency. Unpacks running on the device are polled by spinning, though: the request
+        # waits for them and no peer needs to make progress for them.
+        return self.staged is not None and self.staged.busy()
 
     def on_peer_silent(self, peer: Peer) -> None:
         """A producer stopped heartbeating: fail what waits for its WRITE, but keep the blocks
@@ -578,6 +655,8 @@ class Decoder:
 
     def on_peer_dead(self, peer: Peer) -> None:
         name = peer.agent_name
+        if self.staged is not None:
+            self.staged.forget_producer(name)
         self._lifeline.pop(name, None)
         self._severs.pop(name, None)
         self._giving_up.pop(name, None)
@@ -602,4 +681,7 @@ class Decoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def live(self) -> dict[str, int]:
-        return {"wants": len(self.by_reg), "parked": len(self.parked)}
+        out = {"wants": len(self.by_reg), "parked": len(self.parked)}
+        if self.staged is not None:
+            out["staging_slots"] = self.staged.live()
+        return out

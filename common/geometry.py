@@ -148,8 +148,15 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         """
         spans = []
         reach = (self.num_blocks - 1) * self.block_stride + self.block_bytes
-        for base in (*self.k_bases, *self.v_bases):
-            spans.append((base, base + reach))
+        interleaved = self.kv_parts == 2 and self.block_stride == 2 * self.block_bytes
+        for l, k in enumerate(self.k_bases):
+            v = self.v_bases[l] if self.kv_parts == 2 else None
+            if interleaved and v == k + self.block_bytes:
+                spans.append((k, v + reach))  # blocks_first: one tensor holds the layer's K and V
+                continue
+            spans.append((k, k + reach))
+            if v is not None:
+                spans.append((v, v + reach))
         spans.sort()
         merged: list[list[int]] = []
         for lo, hi in spans:

@@ -190,8 +190,11 @@ def _order(geo: KVGeometry) -> tuple[int, int]:
 
 
 def _kv_adjacent(geo: KVGeometry) -> bool:
-    """True when every block's V part starts right where its K part ends (``blocks_first``)."""
-    return geo.kv_parts == 2 and all(
+    """True when every block's V part starts right where its K part ends (``blocks_first``).
+
+    The stride matters too: in a one-block ``kv_split`` pool V's region also starts where K's
+    block ends, but K and V are two registered spans there and a region must not cross them."""
+    return geo.kv_parts == 2 and geo.block_stride == 2 * geo.block_bytes and all(
         v - k == geo.block_bytes for k, v in zip(geo.k_bases, geo.v_bases))
 
 

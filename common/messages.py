@@ -31,6 +31,11 @@ Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` chan
        carry ``reg_id``; ``CancelAck`` and ``TransferFailed`` carry ``chunks_done``, the number of
        WRITE chunks of that attempt whose ``WriteDone`` the decoder must still see before it may
        release the blocks.
+  3 -- staged transfers: Hello.staging (D's registered staging region), Welcome.staging (P can
+       stage), Register.slot (D's slot for this registration), WriteDone.staged/layer_lo/layer_hi
+       (a staged chunk and the layers it holds; staged notices carry ``reg_id`` and count in
+       ``chunks_done`` like region notices). All optional: a side that does not stage leaves
+       them at their defaults and the other side takes the region path.
 """
 
 from __future__ import annotations
@@ -44,7 +49,25 @@ import msgspec
 
 from .geometry import KVGeometry
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+
+
+class StagingRegion(msgspec.Struct, frozen=True, kw_only=True):
+    """D's staging pool as registered with its NIXL agent (same memory type and device as its
+    KV): slots are ``(offset, length)`` inside ``[base, base + length)``."""
+
+    base: int
+    length: int
+
+
+class Slot(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a staged registration's KV goes in D's staging region: ``length`` bytes at
+    ``offset`` from its base, laid out by ``staging.slot_layout`` and cut into chunks of
+    ``layers_per_chunk`` layers (``SlotLayout.chunks``), one WRITE and one notice each."""
+
+    offset: int
+    length: int
+    layers_per_chunk: int
 
 #: longest ``reg_id`` / ``prompt_digest`` accepted on the wire
 MAX_ID_CHARS = 256
@@ -60,7 +83,8 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
 
     ``agent_name`` must be the name NIXL reports for ``agent_metadata`` (checked on load).
     ``reply_to`` is the producer's ``Challenge.nonce`` on this connection; ``nonce`` is fresh
-    and comes back in ``Welcome.reply_to`` (the side channel fills both)."""
+    and comes back in ``Welcome.reply_to`` (the side channel fills both).
+    ``staging``: my staging region, when I can receive staged transfers."""
 
     engine_id: str
     agent_name: str
@@ -70,6 +94,7 @@ class Hello(msgspec.Struct, tag="hello", frozen=True, kw_only=True):
     nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
     nonce: bytes = b""
     reply_to: bytes = b""
+    staging: StagingRegion | None = None
 
 
 class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
@@ -83,6 +108,7 @@ class Welcome(msgspec.Struct, tag="welcome", frozen=True, kw_only=True):
     side_channel_ports: tuple[int, ...]  # one per P TP rank, rank order
     nixl_version: str = ""  # the sender's NIXL release; "" when it has none installed
     reply_to: bytes = b""  # the Hello's nonce (filled by the side channel)
+    staging: bool = False  # P can pack registrations that carry a slot (it has a staging pool)
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
@@ -103,6 +129,9 @@ class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
     ``block_ids[j]`` holds tokens ``first_token + j * block_size`` onward (D's block size);
     tokens below ``first_token`` D already has (its own prefix cache). ``geometry_digest`` names
     the geometry D sent in its Hello, so a registration can never be mapped with a stale layout.
+    ``slot``: D reserved a slot of its staging region for this registration; P may pack its KV
+    and WRITE it there instead of into the blocks (the region path stays valid: P takes it when
+    it cannot stage).
     """
 
     transfer_id: str
@@ -115,13 +144,16 @@ class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
     first_token: int
     num_tokens: int
     geometry_digest: str
+    slot: Slot | None = None
 
 
 class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     """P -> D, carried by each WRITE of a transfer: chunk ``chunk`` of ``chunks`` is written.
 
     A producer posts a long transfer in bounded chunks; the decoder has the KV of that producer
-    rank once it has seen all ``chunks`` notices."""
+    rank once it has seen all ``chunks`` notices. ``staged``: the chunk went into D's slot (not
+    its blocks) and holds layers ``[layer_lo, layer_hi)`` of this rank's sub-slice; D unpacks it
+    and has the KV once every chunk is unpacked."""
 
     transfer_id: str
     reg_id: str
@@ -131,6 +163,9 @@ class WriteDone(msgspec.Struct, tag="done", frozen=True, kw_only=True):
     num_bytes: int
     chunk: int = 0
     chunks: int = 1
+    staged: bool = False
+    layer_lo: int = 0
+    layer_hi: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel", frozen=True, kw_only=True):
@@ -234,7 +269,7 @@ def _class_name(m: re.Match) -> str:
 
 def _compat_hash() -> str:
     parts = [str(PROTOCOL_VERSION)]
-    for cls in (KVGeometry, *Message.__args__):  # type: ignore[attr-defined]
+    for cls in (KVGeometry, StagingRegion, Slot, *Message.__args__):  # type: ignore[attr-defined]
         info = msgspec.inspect.type_info(cls)
         # a nested struct's repr names its class by module path, which is not part of the wire
         # format (``kv_push.common.geometry`` installed, ``common.geometry`` from a checkout)
@@ -337,9 +372,15 @@ def _check_sane(msg: Message) -> None:
             raise MessageRejected("invalid", f"registration token range {msg!r}")
         if any(b < 0 for b in msg.block_ids):
             raise MessageRejected("invalid", "negative block id")
+        s = msg.slot
+        if s is not None and (s.offset < 0 or s.length <= 0 or s.layers_per_chunk < 1):
+            raise MessageRejected("invalid", f"registration slot {s!r}")
     elif isinstance(msg, WriteDone):
         if msg.chunks < 1 or not 0 <= msg.chunk < msg.chunks or msg.num_bytes < 0:
             raise MessageRejected("invalid", f"write notice chunk {msg.chunk} of {msg.chunks}")
+        if msg.staged and not 0 <= msg.layer_lo < msg.layer_hi:
+            raise MessageRejected("invalid", f"staged notice layers [{msg.layer_lo}, "
+                                  f"{msg.layer_hi})")
     elif isinstance(msg, (CancelAck, TransferFailed)):
         if msg.chunks_done < 0:
             raise MessageRejected("invalid", f"negative chunks_done {msg.chunks_done}")
@@ -348,6 +389,9 @@ def _check_sane(msg: Message) -> None:
             msg.geometry.validate()
         except ValueError as e:
             raise MessageRejected("invalid", f"geometry: {e}") from None
+        if isinstance(msg, Hello) and msg.staging is not None and (
+                msg.staging.base <= 0 or msg.staging.length <= 0):
+            raise MessageRejected("invalid", f"staging region {msg.staging!r}")
 
 
 def geometry_digest(geometry: KVGeometry) -> str:

@@ -45,6 +45,10 @@ COUNTERS = {
                           "channel HOST:PORT, then the reason)",
     "load_failures": "KV loads that failed and went to vLLM's kv_load_failure_policy "
                      "(label: recompute or fail)",
+    "staged_transfers": "staged transfers: sub-slices packed and written (producer) / unpacked (decoder)",
+    "staged_chunks": "staged chunks written (producer) / unpacked (decoder)",
+    "staged_bytes": "bytes moved through staging (producer: written; decoder: unpacked)",
+    "staged_fallback": "registrations that took the region path although staging was on, by reason",
 }
 
 

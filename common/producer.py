@@ -26,6 +26,13 @@ Safety rules:
   source is released. A decoder proven dead (lifeline closed, goodbye) is forgotten at once and
   its source blocks may go (nothing alive reads what lands there); WRITE handles still in flight
   are kept until they finish or the transport is closed (NIXL refuses to release them).
+
+Staged transfers (``staged.py``): with a ``StagedSender``, a registration that carries a slot is
+packed into this worker's staging pool and WRITTEN chunk by chunk into the slot; the job is then
+the same ``_Job`` (same answers, same ``chunks_done``: a staged chunk is a WRITE chunk) whose
+chunks are posted only once packed, and it ends only once no pack still runs (the packs read the
+source blocks and write P's room) -- also when its decoder died. Anything the sender cannot
+stage takes the region path.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ class _Job:
     stop: str = ""  # why no more chunks are posted: cancel, superseded, a failure, silence
     ack_cancel: bool = False  # a Cancel waits for the chunks in flight
     error: str = ""
+    staged: Any = None  # a staged.StagedSend: chunk i is posted once packed
 
     @property
     def reg(self) -> Registration:
@@ -122,8 +130,10 @@ class Producer:
     handles = (Register, Cancel)
 
     def __init__(self, ctx: RoleContext, *, on_released: Callable[[str], None],
-                 side_channel_ports: tuple[int, ...] = ()):
+                 side_channel_ports: tuple[int, ...] = (), staged=None):
+        """``staged``: a ``staged.StagedSender`` when this worker has a staging pool."""
         self.ctx = ctx
+        self.staged = staged
         self.on_released = on_released
         self.side_channel_ports = side_channel_ports
         self.rdv = Rendezvous(ctx.config.rendezvous_ttl_s, clock=ctx.clock)
@@ -153,16 +163,20 @@ class Producer:
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
                           digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
         self.ctx.counters.inc("handshakes")
+        stages = self.staged is not None and self.staged.accept(hello.agent_name, hello.staging)
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                        agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
                        compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports,
-                       nixl_version=self.ctx.nixl_version)
+                       nixl_version=self.ctx.nixl_version, staging=stages)
 
     # -- engine events -------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids: tuple[int, ...],
-                     num_tokens: int, *, prompt_digest: str = "", capacity: int = 1) -> None:
+                     num_tokens: int, *, prompt_digest: str = "", capacity: int = 1,
+                     ready: Any = None) -> None:
         """Engine request ``key`` finished the prefill of ``transfer_id``'s prompt (digest
-        ``prompt_digest``) into ``block_ids``; it may serve ``capacity`` decoder requests."""
+        ``prompt_digest``) into ``block_ids``; it may serve ``capacity`` decoder requests.
+        ``ready``: an event after the prefill's KV writes (``StagedSender.marker``), which packs
+        of this source wait for."""
         source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
                         max(1, int(capacity)))
         try:
@@ -171,6 +185,8 @@ class Producer:
             self.ctx.counters.reject("stale", str(e), context="prefill")
             return
         self.sources[key] = source
+        if self.staged is not None:
+            self.staged.note_ready(key, ready)
         for pairing in pairings:
             self._start(pairing)
         self._settle(source.rdv_key)
@@ -206,7 +222,7 @@ class Producer:
                            peer=peer.agent_name, engine_id=msg.engine_id, tp_rank=msg.tp_rank,
                            block_ids=tuple(msg.block_ids), first_token=msg.first_token,
                            num_tokens=msg.num_tokens, reg_id=msg.reg_id,
-                           prompt_digest=msg.prompt_digest)
+                           prompt_digest=msg.prompt_digest, slot=msg.slot)
         seen = self.answered.get((reg.request, reg.tp_rank))
         if seen is not None and reg.attempt <= max(seen.chunks_done):
             # a copy, or a registration that arrives after its own cancel: never write it
@@ -316,6 +332,14 @@ class Producer:
                               f"{src.num_tokens}", 0)
             self._resolve(reg)
             return
+        jkey = (reg.request, reg.tp_rank, reg.attempt)
+        if reg.slot is not None and self.staged is not None and jkey not in self.jobs:
+            send = self.staged.start(src, reg, peer)
+            if send is not None:
+                self.ctx.counters.inc("regions_written", len(send.chunks))
+                self._add_job(jkey, _Job(pairing, self.ctx.clock(), send.length,
+                                         self.staged.posts(send, reg, peer), staged=send))
+                return
         try:
             plan = plan_writes(self.ctx.geometry, src.block_ids, peer.geometry, reg.block_ids,
                                first_token=reg.first_token, num_tokens=reg.num_tokens)
@@ -342,12 +366,15 @@ class Producer:
                 num_bytes=int(plan.length[a:b].sum()), chunk=i, chunks=len(cuts))
             pending.append((src_d[a:b], dst_d[a:b], notif))
         self.ctx.counters.inc("regions_written", plan.num_regions)
-        jkey = (reg.request, reg.tp_rank, reg.attempt)
+        self._add_job(jkey, _Job(pairing, self.ctx.clock(), plan.total_bytes, pending))
+
+    def _add_job(self, jkey: JobKey, job: _Job) -> None:
+        reg, src = job.reg, job.pairing.source
         if jkey in self.jobs:  # cannot happen (the rendezvous drops repeated attempts): be sure
             self.ctx.counters.reject("stale", f"{reg.request[1]} attempt {reg.attempt} is "
                                      "already being written", context="pairing")
             return
-        self.jobs[jkey] = _Job(pairing, self.ctx.clock(), plan.total_bytes, pending)
+        self.jobs[jkey] = job
         self.readers[src.key] = self.readers.get(src.key, 0) + 1
         # the first chunk goes out at this loop step's tick: after the step's queued work and
         # notifications, so a lifeline closed or a Cancel that waited (a stalled thread) is seen
@@ -369,14 +396,22 @@ class Producer:
 
     def _poll_job(self, jkey: JobKey) -> None:
         job = self.jobs[jkey]
-        if job.posting:
+        if job.posting and self._packed(job):
             self._post(job)
         states = [self.ctx.poll(h) for h in job.handles]
         if "ERR" in states and not job.error:
             job.error = self.ctx.failure_reason(job.handles[states.index("ERR")])
+        if job.staged is not None and job.staged.error and not job.error:
+            job.error = job.staged.error  # a pack failed: nothing more is posted
         if "PROC" in states or job.posting:
             return  # in flight, or more to post: no answer and no release yet
+        if job.staged is not None and not self.staged.idle(job.staged):
+            return  # a pack still reads the source blocks and writes the staging room
         self._end_job(jkey, states.count("DONE"))
+
+    def _packed(self, job: _Job) -> bool:
+        """Whether ``job``'s next chunk may be posted (staged: its pack completed)."""
+        return job.staged is None or self.staged.packed(job.staged, len(job.handles))
 
     def _end_job(self, jkey: JobKey, chunks_done: int) -> None:
         job = self.jobs.pop(jkey)
@@ -386,6 +421,8 @@ class Producer:
         self.readers[src.key] -= 1
         if not self.readers[src.key]:
             del self.readers[src.key]
+        if job.staged is not None:
+            self.staged.finish(job.staged, ok=not job.error and not job.pending)
         alive = self.ctx.peer(reg.peer) is not None
         if job.ack_cancel:
             self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
@@ -415,6 +452,8 @@ class Producer:
                 self.tombstones[claim.key] = now
             if not src.failure:
                 del self.sources[src.key]
+                if self.staged is not None:
+                    self.staged.forget(src.key)
                 self.on_released(src.key)
 
     # -- role hooks ----------------------------------------------------------------------------
@@ -472,6 +511,8 @@ class Producer:
 
     def on_peer_dead(self, peer: Peer) -> None:
         touched = {reg.rdv_key for reg in self.rdv.drop_peer(peer.agent_name)}
+        if self.staged is not None:
+            self.staged.forget_peer(peer.agent_name)
         for jkey, job in list(self.jobs.items()):
             if job.reg.peer != peer.agent_name:
                 continue
@@ -485,7 +526,11 @@ class Producer:
             job.handles = []
             job.pending = []
             job.stop = job.stop or "decoder dead"
+            if job.staged is not None and not self.staged.idle(job.staged):
+                continue  # packs still read the source: ``_poll_job`` ends it once they ran
             self.jobs.pop(jkey)
+            if job.staged is not None:
+                self.staged.finish(job.staged, ok=False)
             src = job.pairing.source
             self.readers[src.key] -= 1
             if not self.readers[src.key]:
@@ -507,5 +552,8 @@ class Producer:
 
     # -- introspection for tests and metrics ----------------------------------------------------
     def live(self) -> dict[str, int]:
-        return {"sources": len(self.sources), "jobs": len(self.jobs),
-                "rendezvous": len(self.rdv), "claims": self.rdv.num_claims}
+        out = {"sources": len(self.sources), "jobs": len(self.jobs),
+               "rendezvous": len(self.rdv), "claims": self.rdv.num_claims}
+        if self.staged is not None:
+            out["staging_rooms"] = self.staged.live()  # P's pool ranges in use
+        return out

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 #: (transfer id, prompt digest): what a prefill and a decoder request meet by
 RdvKey = tuple[str, str]
@@ -76,6 +76,7 @@ class Registration:
     num_tokens: int
     reg_id: str = ""  # the decoder's request id ("" = the transfer id, for callers without one)
     prompt_digest: str = ""
+    slot: Any = None  # messages.Slot: D reserved a staging slot for this registration
 
     @property
     def rdv_key(self) -> RdvKey:

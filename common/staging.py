@@ -52,14 +52,15 @@ invalid or incompatible geometries, block ids outside ``[0, num_blocks)``, too f
 token range, a D block listed twice among the blocks written, ``first_token`` not a multiple of
 D's block size, ``first_token > num_tokens``, negative counts, heads the rank does not hold.
 
-Configuration (proposed; phase 2 adds these to ``config.PushConfig``)
----------------------------------------------------------------------
+Configuration (``config.PushConfig``; ``staged.py`` uses this module in the roles)
+-----------------------------------------------------------------------------------
 * ``staged``: ``"auto"`` (default) | ``"off"``. Auto: use the staged path when both peers announce
-  it and both pools have room; otherwise the region path, counted in the metrics (``fallback``
-  reason ``no_slot`` / ``peer`` / ``opaque``).
-* ``decoder_staging_bytes``: D's registered staging pool per worker. Default ``2 << 30`` on CUDA,
-  ``0`` (off) on the host backend (its opaque blocks are already large regions). A request whose
-  slot does not fit falls back to regions. Must hold the largest request to stage:
+  it and both pools have room; otherwise the region path, counted in the metrics
+  (``staged_fallback{reason}``: ``no_slot``, ``peer``, ``producer_pool``, ``bad_slot``, ``error``).
+  Opaque blocks are staged too, packed whole (equal geometry on both sides, as on the region path).
+* ``decoder_staging_bytes``: D's registered staging pool per worker. Default (``-1``) ``2 << 30``
+  on CUDA, ``0`` (off) on the host backend (its opaque blocks are already large regions). A request
+  whose slot does not fit falls back to regions. Must hold the largest request to stage:
   ``tokens * layers * 2 * local_heads * head_size * dtype_bytes`` (Qwen3-32B, TP1: 256 KiB/token,
   so 16k tokens = 4 GiB).
 * ``producer_staging_bytes``: P's pool, same default. P packs a whole request into it (layer-wise
@@ -68,13 +69,13 @@ Configuration (proposed; phase 2 adds these to ``config.PushConfig``)
   H200, 8 chunks of 8 layers moved 4 GiB as fast as one WRITE and 64 one-layer chunks 1.5x slower
   (``../shared/notes/gpu-staging.md``). Chunk boundaries must be the same on both sides: D picks
   ``layers_per_chunk`` with :func:`layers_per_chunk` and sends it in its registration.
-* ``staging_align``: slot alignment in the pools, default 4096.
+* slots are aligned to 4096 bytes in the pools (``staged.SLOT_ALIGN``, not a key).
 
 Both pools are allocated in ``register_kv_caches``, i.e. *after* vLLM sized its KV cache, so they
 never take blocks from vLLM's KV cache; they come out of the ``1 - gpu_memory_utilization``
 share vLLM leaves for everything else (activations, CUDA graphs, NCCL). Lower
 ``--gpu-memory-utilization`` by ``pool_bytes / total_gpu_memory`` (2 GiB on a 141 GB H200: 0.015)
-when that share is tight; the worker should log the pool's size next to the free memory at start.
+when that share is tight; the worker logs each pool's size at start (``worker.PushWorker``).
 """
 
 from __future__ import annotations
@@ -85,8 +86,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from .geometry import GeometryError, KVGeometry
-from .geometry import check_head_split
+from .geometry import GeometryError, KVGeometry, check_head_split
 from .layout import _as_count, _block_ids, _check_addresses, _order, writer_ranks
 
 __all__ = [

@@ -8,6 +8,12 @@ and returns at once; results come back through thread-safe queues the engine dra
 * producer: ``prefill_done(...)``; ``released`` yields request keys whose blocks may be freed;
 * decoder: ``expect(...)``, ``cancel(key)``; ``outcomes`` yields ``Outcome`` records.
 
+Staging pools (``staged.py``): unless ``staged`` is "off", each role allocates its pool through
+the backend (``alloc_staging``; size ``producer_staging_bytes`` / ``decoder_staging_bytes``, -1
+meaning the backend's ``default_staging_bytes``) and registers it with the NIXL agent next to the
+KV, before the agent's metadata is handed out. A pool the config sizes explicitly must be
+allocated (else ``BackendError``); a default-sized one that cannot be is skipped with a warning.
+
 ``describe()`` tells what the worker holds in detail (for diagnosing a leak); with
 ``KV_PUSH_STATE_LOG_S=N`` in the environment a worker logs it every N seconds while it holds
 anything (the end-to-end suite sets it, and prints those lines when a server is left busy).
@@ -28,6 +34,7 @@ from .decoder import Decoder, Outcome
 from .geometry import KVGeometry
 from .metrics import Counters
 from .producer import Producer
+from .staged import StagedReceiver, StagedSender, StagingMemory, staging_unavailable
 from .side_channel import SideChannelServer
 from .transfer_thread import TransferThread
 from .transport import NixlTransport, Transport
@@ -70,6 +77,12 @@ class PushWorker:
         transport = transport_factory()
         transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
         self.backend.verify_registration(geometry)
+        self.staging: dict[str, StagingMemory] = {}
+        for side in ("producer", "decoder"):
+            if role in (side, "both"):
+                mem = self._staging_pool(side, transport)
+                if mem is not None:
+                    self.staging[side] = mem
         self.thread = TransferThread(transport, engine_id=self.engine_id,
                                      tp_rank=geometry.tp_rank, geometry=geometry,
                                      config=self.config, counters=self.counters)
@@ -81,8 +94,10 @@ class PushWorker:
         if role in ("producer", "both"):
             base = self.config.side_channel_port
             ports = tuple(base + r for r in range(geometry.tp_size))
+            mem = self.staging.get("producer")
             self.producer = Producer(self.thread, on_released=self.released.put,
-                                     side_channel_ports=ports)
+                                     side_channel_ports=ports,
+                                     staged=StagedSender(self.thread, mem) if mem else None)
             self.thread.add_role(self.producer)
             self.side_channel = SideChannelServer(
                 self.config.side_channel_host, base + geometry.tp_rank, self.thread.codec,
@@ -98,7 +113,9 @@ class PushWorker:
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)
         if role in ("decoder", "both"):
-            self.decoder = Decoder(self.thread)
+            mem = self.staging.get("decoder")
+            self.decoder = Decoder(
+                self.thread, staged=StagedReceiver(self.thread, mem) if mem else None)
             self.thread.add_role(self.decoder)
 
     def _nixl_backends(self) -> tuple[str, ...]:
@@ -112,6 +129,36 @@ class PushWorker:
                 f"nixl_backends {self.config.nixl_backends} cannot register {self.backend.name} "
                 f"memory; use {usable} (kv_connector_extra_config 'nixl_backends')")
         return chosen
+
+    def _staging_pool(self, side: str, transport: Transport) -> StagingMemory | None:
+        """Allocate and register ``side``'s staging pool (see the module doc), or None."""
+        if self.config.staged == "off":
+            return None
+        key = f"{side}_staging_bytes"
+        configured = getattr(self.config, key)
+        nbytes = configured if configured >= 0 else int(
+            getattr(self.backend, "default_staging_bytes", 0))
+        if nbytes == 0:
+            return None
+        alloc = getattr(self.backend, "alloc_staging", None)
+        why = staging_unavailable() or (
+            None if alloc is not None else f"the {self.backend.name} backend cannot allocate "
+            "staging memory")
+        try:
+            if why is not None:
+                raise BackendError(why)
+            addr, keep = alloc(nbytes, self.geometry.dev_id)
+        except BackendError as e:
+            if configured > 0:
+                raise BackendError(f"{key}={configured}: {e} (set {key} to 0 or staged to "
+                                   "off)") from None
+            logger.warning("kv_push: no %s staging pool (%s): region path only", side, e)
+            return None
+        g = self.geometry
+        transport.register([(addr, nbytes)], g.mem_type, g.dev_id)
+        logger.info("kv_push: %s staging pool of %.2f GiB (%s, device %d) registered", side,
+                    nbytes / 2**30, g.mem_type, g.dev_id)
+        return StagingMemory(addr, nbytes, g.mem_type, g.dev_id, keep)
 
     @property
     def side_channel_address(self) -> tuple[str, int]:
@@ -138,8 +185,7 @@ class PushWorker:
                 logger.warning("kv_push state (rank %d): unreadable: %r",
                                self.geometry.tp_rank, e)
                 continue
-            if any(state.get(k) for k in ("wants", "parked", "sources", "jobs", "rendezvous",
-                                          "orphans")):
+            if any(state["counts"].values()):
                 logger.warning("kv_push state (rank %d): %s", self.geometry.tp_rank, state)
 
     # -- producer --------------------------------------------------------------------------------
@@ -147,9 +193,12 @@ class PushWorker:
                      prompt_digest: str = "", capacity: int = 1) -> None:
         producer = self._need(self.producer, "prefill_done")
         ids = tuple(block_ids)  # a snapshot; ints are made on the transfer thread
+        # staged: an event after the KV writes enqueued so far on this (the engine's) stream,
+        # which the packs wait for on the device; recording it never blocks
+        ready = producer.staged.marker() if producer.staged is not None else None
         self.thread.submit(lambda: producer.prefill_done(
             key, transfer_id, tuple(map(int, ids)), num_tokens, prompt_digest=prompt_digest,
-            capacity=capacity))
+            capacity=capacity, ready=ready))
 
     def prefill_failed(self, transfer_id: str, reason: str = "aborted", *,
                        prompt_digest: str = "", capacity: int = 1) -> None:
@@ -193,10 +242,14 @@ class PushWorker:
         key, registration id, transfer id, attempt, state, age, and per producer rank told what
         it owes (writes, WriteDone chunks seen / expected, chunks it answered for, dead); per
         producer the unreleased sources (key, transfer id), WRITE jobs, rendezvous entries and
-        claims, WRITE handles to dead peers still in flight."""
+        claims, WRITE handles to dead peers still in flight; ``counts``: each role's ``live()``
+        (staging slots and rooms included)."""
         def read() -> dict[str, Any]:
             now = self.thread.clock()
-            out: dict[str, Any] = {"peers": sorted(self.thread.peers)}
+            out: dict[str, Any] = {"peers": sorted(self.thread.peers), "counts": {}}
+            for role in (self.producer, self.decoder):
+                if role is not None:
+                    out["counts"].update(role.live())  # every role's own count of what it holds
             if self.decoder is not None:
                 d = self.decoder
                 out["wants"] = [

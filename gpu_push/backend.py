@@ -87,6 +87,10 @@ class CudaBackend:
 
     name = "cuda"
     mem_type = "VRAM"
+    #: staging pool per worker when the config says -1 (see docs/gpu.md for how it interacts
+    #: with --gpu-memory-utilization)
+    default_staging_bytes = 2 << 30
+
     nixl_progress_thread = False
 
     def __init__(self, nixl_backends: tuple[str, ...] = CUDA_NIXL_BACKENDS, driver: Any = None):
@@ -129,6 +133,25 @@ class CudaBackend:
         import torch
 
         return int(torch.cuda.current_device())
+
+    def alloc_staging(self, nbytes: int, dev_id: int) -> tuple[int, Any]:
+        """``nbytes`` of device memory on GPU ``dev_id`` (one ``torch.empty`` allocation, so it
+        is one CUDA allocation as UCX cuda_ipc needs). Raises ``BackendError`` when the GPU
+        cannot hold it (nothing is taken from vLLM's KV cache: that is allocated already)."""
+        import torch
+
+        if nbytes <= 0:
+            raise BackendError(f"a staging pool needs a positive size, got {nbytes}")
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", dev_id))
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            raise BackendError(f"cannot allocate a {nbytes / 2**30:.2f} GiB staging pool on GPU "
+                               f"{dev_id}: {e}") from None
+        addr = int(t.data_ptr())
+        span = self.driver.allocation_range(addr)
+        if span is not None and addr + nbytes > span[0] + span[1]:
+            raise BackendError(f"staging pool {addr:#x}+{nbytes} crosses CUDA allocations")
+        return addr, t
 
     def verify_registration(self, geometry: KVGeometry) -> None:
         verify_regions(self, geometry, lambda addr: self._check_device_address(addr, geometry))

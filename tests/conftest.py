@@ -7,7 +7,7 @@
 * ``start_peers(*specs)``: start several ``LocalPeer`` processes at once (each spends ~1-2 s
   importing NIXL and creating its agent; started together they overlap) and ``close_peers``.
 * ``live_state`` / ``assert_no_leaks``: what producers (sources, jobs, rendezvous entries,
-  transfers) and decoders (wants) still hold.
+  transfers, staging rooms) and decoders (wants, staging slots) still hold.
 * ``figures``: a session-wide dict that tests record measurements into (time to detect a dead
   peer, latencies...); ``pytest_terminal_summary`` prints it as a table at the end of the run.
 """
@@ -121,7 +121,8 @@ def live_state(producers, decoders) -> dict[str, dict[str, int]]:
         state[f"{p.process.name}[{p.process.pid}]"] = {
             k: v for k, v in p.call("live").items() if k != "peers"}
     for d in decoders:
-        state[f"{d.process.name}[{d.process.pid}]"] = {"wants": d.call("live")["wants"]}
+        state[f"{d.process.name}[{d.process.pid}]"] = {
+            k: v for k, v in d.call("live").items() if k in ("wants", "staging_slots")}
     return state
 
 

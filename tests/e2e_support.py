@@ -43,7 +43,8 @@ def heavy_venvs() -> list[tuple[str, str]]:
     return all_ if os.environ.get("KV_PUSH_E2E_HEAVY") == "all" else all_[:1]
 
 
-def tiny_model() -> Path:
+def tiny_model_path() -> Path:
+    """The suite's tiny model (built once, under .work/)."""
     return build_tiny_model(REPO / ".work" / "tiny-model")
 
 

@@ -125,7 +125,8 @@ def test_recorded_register_cancel_and_goodbye_are_rejected_when_replayed(authed)
     h = authed
     h.connect_b()
     reg = h.b_send(reg_msg("t1"))
-    cancel = h.b_send(Cancel(transfer_id="t1", attempt=0, engine_id="B", tp_rank=0, reason="x"))
+    cancel = h.b_send(Cancel(transfer_id="t1", reg_id="t1", prompt_digest="", attempt=0,
+                                  engine_id="B", tp_rank=0, reason="x"))
     sync(h.t)
     assert [type(m).__name__ for _, m in h.role.messages] == ["Register", "Cancel"]
     for frame in (reg, cancel, reg):

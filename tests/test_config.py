@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import pytest
 
@@ -30,16 +32,33 @@ SETTABLE = {
     "handshake_timeout_s": [("2", 2.0), (0.5, 0.5)],
     "cancel_retry_s": [("0.5", 0.5), (2, 2.0)],
     "fence_timeout_s": [("45", 45.0), (10.5, 10.5)],
+    "max_side_channel_connections": [("64", 64), (1, 1), (4096.0, 4096)],
     "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
                   ("false", False), ("No", False), ("0", False), (False, False)],
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
     "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
     "max_post_regions": [("16", 16), (1, 1)],
+    "staged": [("auto", "auto"), ("off", "off")],
+    "decoder_staging_bytes": [("-1", -1), (0, 0), ("1073741824", 1 << 30)],
+    "producer_staging_bytes": [(-1, -1), ("0", 0), (4096, 4096)],
+    "staging_chunk_bytes": [("536870912", 512 << 20), (1, 1)],
 }
 
 
 def test_table_covers_every_field():
     assert set(SETTABLE) | NOT_IN_TABLE == {f.name for f in dataclasses.fields(PushConfig)}
+
+
+def test_readme_table_lists_every_field():
+    """The README's ``kv_connector_extra_config`` table names every PushConfig field an operator
+    can set there (``secret`` is refused there, so it is not a row; ``secret_file`` is)."""
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### `kv_connector_extra_config`", 1)[1].split("\n### ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    fields = {f.name for f in dataclasses.fields(PushConfig)}
+    assert fields - {"secret"} <= named, f"not in the README table: {fields - {'secret'} - named}"
+    assert named <= fields, f"README rows for no field: {named - fields}"
 
 
 def test_defaults_are_valid():
@@ -163,6 +182,13 @@ def test_unknown_key_is_named(key):
     ("secret", "in-the-dict"),
     ("max_side_channel_connections", 0),
     ("max_side_channel_connections", "many"),
+    ("staged", "on"),
+    ("staged", "AUTO"),
+    ("decoder_staging_bytes", -2),
+    ("decoder_staging_bytes", "2G"),
+    ("producer_staging_bytes", 1.5),
+    ("staging_chunk_bytes", 0),
+    ("staging_chunk_bytes", -4096),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:

@@ -26,11 +26,11 @@ from kv_push.common.worker import STATE_LOG_ENV
 try:
     from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, assert_idle,
                              complete, dtype_note, list_request, make_prompts, n2_request,
-                             signature, signatures, tiny_model, venvs)
+                             signature, signatures, tiny_model_path, venvs)
 except ModuleNotFoundError:  # imported as a package module
     from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References,
                                    assert_idle, complete, dtype_note, list_request, make_prompts,
-                                   n2_request, signature, signatures, tiny_model, venvs)
+                                   n2_request, signature, signatures, tiny_model_path, venvs)
 
 pytestmark = pytest.mark.e2e
 
@@ -41,21 +41,21 @@ STATE_LOG = {STATE_LOG_ENV: "5"}
 
 
 @pytest.fixture(scope="session")
-def model():
-    return tiny_model()
+def tiny_model():
+    return tiny_model_path()
 
 
 @pytest.fixture(scope="session")
-def prompts(model) -> list[str]:
-    return make_prompts(model)
+def prompts(tiny_model) -> list[str]:
+    return make_prompts(tiny_model)
 
 
-def _choice(url: str, prompt: str, **kw) -> dict:
+def _complete(url: str, prompt: str, **kw) -> dict:
     return complete(url, prompt, **kw)["choices"][0]
 
 
 @pytest.fixture(scope="module", params=venvs(), ids=lambda v: f"vllm-{v[0]}")
-def stack(request, model, prompts, tmp_path_factory, figures):
+def stack(request, tiny_model, prompts, tmp_path_factory, figures):
     version, python = request.param
     if not Path(python).exists():
         pytest.fail(f"vLLM {version} environment {python} is missing: run `make test` "
@@ -63,16 +63,16 @@ def stack(request, model, prompts, tmp_path_factory, figures):
     figures("e2e", f"vLLM {version} servers", dtype_note())
     logs = tmp_path_factory.mktemp(f"logs-{version}")
     # 1. reference outputs from one server alone
-    reference = References.get(version, python, model, prompts, logs)
+    reference = References.get(version, python, tiny_model, prompts, logs)
     # 2. P and D with the push connector, behind our router
     kv_port = free_port()
     # a short rendezvous time-out: a prefill whose decoder leg was cancelled before the decode
     # server ever saw it is freed by expiry (the abort test waits for that)
-    p = vllm_server("prefill", python=python, model=str(model), port=free_port(), cpu=0,
+    p = vllm_server("prefill", python=python, model=str(tiny_model), port=free_port(), cpu=0,
                     log_dir=logs, kv_role="kv_producer", kv_port=kv_port,
                     extra_config={"rendezvous_ttl_s": RENDEZVOUS_TTL_S}, extra_env=STATE_LOG)
     # D loads the connector by name alone (the plugin entry point), P by module path
-    d = vllm_server("decode", python=python, model=str(model), port=free_port(), cpu=1,
+    d = vllm_server("decode", python=python, model=str(tiny_model), port=free_port(), cpu=1,
                     log_dir=logs, kv_role="kv_consumer", kv_port=free_port(), by_name=True,
                     extra_env=STATE_LOG)
     servers = [p, d]
@@ -83,7 +83,7 @@ def stack(request, model, prompts, tmp_path_factory, figures):
                    log_dir=logs)
         servers.append(r)
         r.wait_healthy(60)
-        _choice(r.url, prompts[2])  # warm-up: first forward passes and the handshake
+        _complete(r.url, prompts[2])  # warm-up: first forward passes and the handshake
         yield {"version": version, "p": p, "d": d, "router": r, "reference": reference,
                "python": python}
     finally:
@@ -98,7 +98,7 @@ def test_outputs_identical_to_single_server(stack, prompts):
     mismatches = []
     total_prompt = 0
     for prompt in prompts[:NUM_PROMPTS]:
-        choice = _choice(stack["router"].url, prompt)
+        choice = _complete(stack["router"].url, prompt)
         if signature(choice) != stack["reference"][prompt]:
             mismatches.append((prompt[:40], signature(choice), stack["reference"][prompt]))
         total_prompt += len(choice.get("prompt_token_ids") or ()) or 0
@@ -115,11 +115,11 @@ def test_outputs_identical_to_single_server(stack, prompts):
 def test_prefix_cache_hit_on_decoder_writes_only_the_tail(stack, prompts):
     d, url = stack["d"], stack["router"].url
     base, partial, again = prompts[0], prompts[NUM_PROMPTS], prompts[NUM_PROMPTS + 1]
-    assert signature(_choice(url, base)) == stack["reference"][base]
+    assert signature(_complete(url, base)) == stack["reference"][base]
     hit0 = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
     ext0 = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     for prompt in (partial, again):
-        assert signature(_choice(url, prompt)) == stack["reference"][prompt]
+        assert signature(_complete(url, prompt)) == stack["reference"][prompt]
     hit = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") - hit0
     ext = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - ext0
     assert hit > 0, "decoder's prefix cache was not used"
@@ -171,7 +171,7 @@ def test_bad_transfer_params_are_served_locally_and_counted(stack, prompts):
     before = metric(d.url, name, reason="bad_transfer_params")
     prompt = prompts[7]
     bad = {"transfer_id": "e2e-bad-params", "do_remote_prefill": True, "remote_port": 1}
-    choice = _choice(d.url, prompt, kv_transfer_params=bad)
+    choice = _complete(d.url, prompt, kv_transfer_params=bad)
     assert signature(choice) == stack["reference"][prompt]
     deadline = time.monotonic() + 30  # stats are published with the engine's next outputs
     while metric(d.url, name, reason="bad_transfer_params") - before < 1:
@@ -207,7 +207,7 @@ def test_client_disconnect_leaves_no_work_behind(stack, prompts, figures):
             "no KV block in use) after", waited)
     # and the pair still serves correctly
     prompt = prompts[5]
-    assert signature(_choice(url, prompt)) == stack["reference"][prompt]
+    assert signature(_complete(url, prompt)) == stack["reference"][prompt]
 
 
 # -- issue 9, item 1: one client request, several engine requests ------------------------------

@@ -39,12 +39,12 @@ try:
     from conftest import free_port_pair
     from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
                              assert_idle, complete, heavy_venvs, make_prompts, signature,
-                             tiny_model)
+                             tiny_model_path)
 except ModuleNotFoundError:  # imported as a package module
     from tests.conftest import free_port_pair
     from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
                                    assert_idle, complete, heavy_venvs, make_prompts,
-                                   signature, tiny_model)
+                                   signature, tiny_model_path)
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,7 @@ IDLE_BOUND = TTL + 30  # a survivor must be idle within this after a fault
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return tiny_model_path()
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,18 @@ def sample_messages() -> list[M.Message]:
                  tp_rank=0, block_ids=(), first_token=0, num_tokens=0, geometry_digest=""),
         WriteDone(transfer_id="tid-1", reg_id="cmpl-7-0", attempt=3, engine_id="pre-0",
                   tp_rank=0, num_bytes=1 << 40),
+        # staged (protocol 3)
+        Hello(engine_id="dec-0", agent_name="agent-d0", agent_metadata=b"m", geometry=GEOM,
+              compat_hash=M.COMPAT_HASH, staging=M.StagingRegion(base=1 << 40, length=1 << 31)),
+        Welcome(engine_id="pre-0", agent_name="agent-p0", agent_metadata=b"m", geometry=GEOM,
+                compat_hash=M.COMPAT_HASH, side_channel_ports=(5600,), staging=True),
+        Register(transfer_id="tid-2", reg_id="cmpl-8-0", prompt_digest="", attempt=0,
+                 engine_id="dec-0", tp_rank=1, block_ids=(3,), first_token=0, num_tokens=9,
+                 geometry_digest=DIGEST,
+                 slot=M.Slot(offset=8192, length=4096, layers_per_chunk=2)),
+        WriteDone(transfer_id="tid-2", reg_id="cmpl-8-0", attempt=0, engine_id="pre-0",
+                  tp_rank=0, num_bytes=512, chunk=1, chunks=2, staged=True, layer_lo=2,
+                  layer_hi=4),
         Cancel(transfer_id="tid-1", reg_id="cmpl-7-0", prompt_digest="9f2a", attempt=2,
                engine_id="dec-0", tp_rank=1, reason="aborted"),
         CancelAck(transfer_id="tid-1", reg_id="cmpl-7-0", attempt=2, engine_id="pre-0",
@@ -347,7 +359,8 @@ def test_oversize():
 
 
 @pytest.mark.parametrize("data", [
-    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01", b"\x95\x02\xc4\x00\xc4\x00\x00\x00",
+    b"", b"\x00", b"\x93", b"\xc1", b"\x92\x01", b"\x91\x01",
+    b"\x95" + bytes([PROTOCOL_VERSION]) + b"\xc4\x00\xc4\x00\x00\x00",
     b"\x80", b"\x93\x01\xa1x\xc4\x00", b"\x93\xa11\xc4\x00\xc4\x00", b"not msgpack at all",
     envelope(PROTOCOL_VERSION, b""), envelope(PROTOCOL_VERSION, b"\x80"),
     envelope(PROTOCOL_VERSION, msgspec.msgpack.encode({"type": "nope"})),
@@ -390,6 +403,9 @@ REG = Register(transfer_id="t", reg_id="r", prompt_digest="", attempt=0, engine_
     dict(reg_id=""),
     dict(reg_id="r" * (M.MAX_ID_CHARS + 1)),
     dict(prompt_digest="d" * (M.MAX_ID_CHARS + 1)),
+    dict(slot=M.Slot(offset=-1, length=4096, layers_per_chunk=1)),
+    dict(slot=M.Slot(offset=0, length=0, layers_per_chunk=1)),
+    dict(slot=M.Slot(offset=0, length=4096, layers_per_chunk=0)),
 ], ids=repr)
 def test_invalid_register(changes):
     msg = msgspec.structs.replace(REG, **changes)
@@ -407,6 +423,31 @@ def test_invalid_register(changes):
 ], ids=lambda m: type(m).__name__)
 def test_invalid_answers(msg):
     assert reason_of(Codec(), Codec().encode(msg)) == "invalid"
+
+
+@pytest.mark.parametrize("msg", [
+    WriteDone(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, num_bytes=1,
+              staged=True),
+    WriteDone(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, num_bytes=1,
+              staged=True, layer_lo=3, layer_hi=3),
+    WriteDone(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, num_bytes=1,
+              staged=True, layer_lo=-1, layer_hi=2),
+    Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=GEOM, compat_hash="h",
+          staging=M.StagingRegion(base=0, length=4096)),
+    Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=GEOM, compat_hash="h",
+          staging=M.StagingRegion(base=4096, length=0)),
+], ids=repr)
+def test_invalid_staged_fields(msg):
+    assert reason_of(Codec(), Codec().encode(msg)) == "invalid"
+
+
+def test_staged_fields_default_to_the_region_path():
+    """A peer that does not stage leaves every staged field at its default."""
+    assert Hello(engine_id="d", agent_name="a", agent_metadata=b"", geometry=GEOM,
+                 compat_hash="h").staging is None
+    assert REG.slot is None
+    w = WriteDone(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, num_bytes=1)
+    assert (w.staged, w.layer_lo, w.layer_hi) == (False, 0, 0)
 
 
 def test_valid_register_edges():
@@ -481,16 +522,22 @@ def oracle_invalid(msg) -> bool:
     if isinstance(msg, (CancelAck, TransferFailed)):
         return msg.chunks_done < 0
     if isinstance(msg, Register):
+        s = msg.slot
         return (msg.first_token < 0 or msg.num_tokens < msg.first_token
-                or any(b < 0 for b in msg.block_ids))
+                or any(b < 0 for b in msg.block_ids)
+                or (s is not None and (s.offset < 0 or s.length < 1 or s.layers_per_chunk < 1)))
     if isinstance(msg, Challenge):
         return len(msg.nonce) != 16
     if isinstance(msg, WriteDone):
-        return msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
+        return (msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
+                or (msg.staged and (msg.layer_lo < 0 or msg.layer_hi <= msg.layer_lo)))
     if isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()
         except ValueError:
+            return True
+        r = getattr(msg, "staging", None)
+        if isinstance(msg, Hello) and r is not None and (r.base < 1 or r.length < 1):
             return True
     return False
 
@@ -528,16 +575,20 @@ messages = st.one_of(
     st.builds(Challenge, nonce=st.binary(min_size=14, max_size=18)),
     st.builds(Hello, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
               geometry=geometries, compat_hash=text, nonce=st.binary(max_size=20),
-              reply_to=st.binary(max_size=20)),
+              reply_to=st.binary(max_size=20),
+              staging=st.none() | st.builds(M.StagingRegion, base=some_int, length=some_int)),
     st.builds(Welcome, engine_id=text, agent_name=text, agent_metadata=st.binary(max_size=40),
               geometry=geometries, compat_hash=text,
               side_channel_ports=st.lists(some_int, max_size=4).map(tuple),
-              reply_to=st.binary(max_size=20)),
+              reply_to=st.binary(max_size=20), staging=st.booleans()),
     st.builds(Refused, reason=text),
     st.builds(Register, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
-              block_ids=ids, first_token=some_int, num_tokens=some_int, geometry_digest=text),
+              block_ids=ids, first_token=some_int, num_tokens=some_int, geometry_digest=text,
+              slot=st.none() | st.builds(M.Slot, offset=some_int, length=some_int,
+                                         layers_per_chunk=some_int)),
     st.builds(WriteDone, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
-              num_bytes=some_int),
+              num_bytes=some_int, chunk=small, chunks=small, staged=st.booleans(),
+              layer_lo=small, layer_hi=small),
     st.builds(Cancel, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int,
               reason=text),
     st.builds(CancelAck, transfer_id=text, attempt=some_int, engine_id=text, tp_rank=some_int),

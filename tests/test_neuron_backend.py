@@ -276,7 +276,7 @@ def test_neuron_backend_keeps_nixls_progress_thread_off():
 
 
 def test_protocol_2_carries_the_nixl_version():
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION >= 2  # 2 added nixl_version; 3 (staged fields) kept it
     g = G.pooled(base=1 << 32, placement="kv_split", num_layers=1, num_kv_heads=2, head_size=8,
                  dtype_bytes=2, dtype="bfloat16", block_size=4, num_blocks=4)
     codec = Codec()
@@ -374,17 +374,60 @@ def test_libfabric_transfer_thread_says_nothing_to_a_peer_it_has_not_heard_from(
         t.close()
 
 
-def test_libfabric_transfer_thread_drops_a_silent_new_peer_without_calling_it():
+class _SilenceRecorder:
+    """A role that only records which peers the thread reported silent or dead."""
+
+    handles = ()
+
+    def __init__(self) -> None:
+        self.silent: list[str] = []
+        self.dead: list[str] = []
+
+    def on_message(self, peer, msg) -> None:
+        pass
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return False
+
+    def on_peer_silent(self, peer) -> None:
+        self.silent.append(peer.agent_name)
+
+    def on_peer_dead(self, peer) -> None:
+        self.dead.append(peer.agent_name)
+
+    def close(self) -> None:
+        pass
+
+
+def test_libfabric_transfer_thread_never_calls_a_silent_new_peer():
+    """Silence is not death (the peer stays, marked unresponsive, until its lifeline closes), but
+    over LIBFABRIC a peer never heard from is never called: not by heartbeats while it is silent,
+    not when it is dropped, not by the goodbye on close."""
     now = [0.0]
     tr = RecordingTransport(waits=True)
     t = _thread(tr, lambda: now[0])
+    role = _SilenceRecorder()
+    t.add_role(role)
     t.start()
     try:
         t.call(lambda: t.add_peer(b"meta:C", engine_id="C", tp_rank=0, geometry=GEOM,
                                   digest=geometry_digest(GEOM)), 10)
         now[0] += 7.0  # past peer_timeout_s (6 s)
         _sync(t)
-        assert t.call(lambda: set(t.peers), 10) == set()
+        assert t.call(lambda: (set(t.peers), t.peers["C"].silent), 10) == ({"C"}, True)
+        assert role.silent == ["C"] and role.dead == []
+        assert t.counters.get("peers_silent") == 1
+        for _ in range(8):  # more heartbeat rounds while it stays silent: told once, never called
+            now[0] += 1.0
+            _sync(t)
+        assert role.silent == ["C"]
+        assert tr.sent_to("C") == []
+        t.peer_lost("C", "producer closed its side channel")  # proof of death: dropped
+        _sync(t)
+        assert t.call(lambda: set(t.peers), 10) == set() and role.dead == ["C"]
         t.call(lambda: t.add_peer(b"meta:D", engine_id="D", tp_rank=0, geometry=GEOM,
                                   digest=geometry_digest(GEOM)), 10)
     finally:
@@ -447,10 +490,14 @@ def test_decoder_refuses_a_producer_on_an_incompatible_nixl(monkeypatch):
         welcome = Welcome(engine_id="pre", agent_name="P", agent_metadata=b"meta:P",
                           geometry=GEOM, compat_hash=COMPAT_HASH, side_channel_ports=(5600,),
                           nixl_version="1.5.1")
-        d._on_welcome(remote, 0, welcome)
+        token = next(d._tokens)  # what _connect does before its handshake job runs
+        d._handshaking.add(token)
+        severed: list[bool] = []
+        d._on_welcome(remote, 0, welcome, token, lambda: severed.append(True))
         assert t.counters.get("rejected", label="incompatible") == 1
         assert t.counters.get("handshake_failures") == 1
         assert tr.added == []
+        assert severed == [True]  # the refused producer's lifeline is not kept open
     finally:
         d.close()
 

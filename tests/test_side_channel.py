@@ -2,8 +2,11 @@
 
 The two ends are tested against each other (``handshake`` against ``SideChannelServer``) and each
 against a hand-driven socket, which can misbehave (say nothing, send junk, hang up) and can keep
-or close the connection when the test says -- that is how the lifeline is exercised. Waits have a
-generous bound that is only reached when something is broken; nothing asserts a duration.
+or close the connection when the test says -- that is how the lifeline is exercised. A
+hand-driven socket speaks the protocol as it is: the producer opens with ``Challenge``, the
+decoder's Hello answers its nonce, the Welcome answers the Hello's (replayed nonces are tested in
+tests/test_auth.py). Waits have a generous bound that is only reached when something is broken;
+nothing asserts a duration.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ import threading
 import time
 
 import pytest
+from msgspec.structs import replace
 
 from kv_push.common import geometry as G
 from kv_push.common.decoder import Decoder, Outcome
 from kv_push.common.messages import (
     COMPAT_HASH,
     MAX_MESSAGE_BYTES,
+    NONCE_BYTES,
+    Challenge,
     Codec,
     Hello,
     MessageRejected,
@@ -46,6 +52,31 @@ HELLO = Hello(engine_id="D", agent_name="D0", agent_metadata=b"meta:D0", geometr
               compat_hash=COMPAT_HASH)
 WELCOME = Welcome(engine_id="P", agent_name="P0", agent_metadata=b"meta:P0", geometry=GEOM,
                   compat_hash=COMPAT_HASH, side_channel_ports=(5600,))
+
+
+def bare(hello: Hello) -> Hello:
+    """``hello`` without the handshake's nonces (which the side channel fills in)."""
+    return replace(hello, nonce=b"", reply_to=b"")
+
+
+def read_challenge(sock: socket.socket) -> Challenge:
+    """Decoder side of a raw connection: the producer's opening frame."""
+    msg = recv_frame(sock, Codec())
+    assert isinstance(msg, Challenge) and len(msg.nonce) == NONCE_BYTES
+    return msg
+
+
+def challenge(conn: socket.socket) -> Hello:
+    """Producer side of a raw connection: send a Challenge and read the Hello that answers it."""
+    nonce = b"n" * NONCE_BYTES
+    send_frame(conn, Codec(), Challenge(nonce=nonce))
+    hello = recv_frame(conn, Codec())
+    assert isinstance(hello, Hello) and hello.reply_to == nonce
+    return hello
+
+
+def welcome_for(hello: Hello) -> Welcome:
+    return replace(WELCOME, reply_to=hello.nonce)
 
 
 class Server:
@@ -159,8 +190,10 @@ def test_frames_round_trip_and_oversize_is_refused():
 def test_handshake_is_welcomed(server, secret):
     s = server(secret=secret)
     welcome = handshake("127.0.0.1", s.port, HELLO, Codec(secret), WAIT)
-    assert welcome == WELCOME
-    assert s.hellos == [HELLO] and s.rejects == []
+    (hello,) = s.hellos
+    assert bare(hello) == HELLO and len(hello.nonce) == NONCE_BYTES
+    assert welcome == replace(WELCOME, reply_to=hello.nonce)
+    assert s.rejects == []
 
 
 def test_a_refusal_reaches_the_decoder_with_its_reason(server):
@@ -193,6 +226,8 @@ def test_a_handshake_with_the_wrong_secret_is_refused(server, server_secret, cli
     s = server(secret=server_secret)
     with pytest.raises(HandshakeError):
         handshake("127.0.0.1", s.port, HELLO, Codec(client_secret), WAIT)
+    # the decoder refuses the Challenge first; the producer counts that Refused when it arrives
+    assert wait_until(lambda: s.rejects)
     assert [r for r, _ in s.rejects] == [reason]
     assert s.hellos == []  # never reached the producer
 
@@ -200,6 +235,7 @@ def test_a_handshake_with_the_wrong_secret_is_refused(server, server_secret, cli
 def test_the_server_refuses_anything_but_hello(server):
     s = server()
     with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        read_challenge(c)
         send_frame(c, Codec(), WELCOME)
         reply = recv_frame(c, Codec())
     assert isinstance(reply, Refused) and "Welcome on side channel" in reply.reason
@@ -209,6 +245,7 @@ def test_the_server_refuses_anything_but_hello(server):
 def test_the_server_refuses_an_oversize_frame(server):
     s = server()
     with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        read_challenge(c)
         c.sendall(struct.pack("!I", MAX_MESSAGE_BYTES + 1))
         reply = recv_frame(c, Codec())
     assert isinstance(reply, Refused)
@@ -218,6 +255,7 @@ def test_the_server_refuses_an_oversize_frame(server):
 def test_a_client_that_hangs_up_mid_frame_is_counted(server):
     s = server()
     with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        read_challenge(c)
         c.sendall(struct.pack("!I", 100) + b"partial")
     assert wait_until(lambda: s.rejects)
     assert [r for r, _ in s.rejects] == ["handshake_io"] and s.hellos == []
@@ -243,20 +281,29 @@ def test_a_producer_that_never_answers_times_out(listener):
     result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), 0.2)
     conn = listener.accept()
     with conn:
-        assert recv_frame(conn, Codec()) == HELLO
+        assert bare(challenge(conn)) == HELLO
         kind, value = result.get(timeout=WAIT)  # we never answer
     assert kind == "err" and isinstance(value, HandshakeError)
 
 
+def test_a_producer_that_never_challenges_times_out(listener):
+    result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), 0.2)
+    with listener.accept():
+        kind, value = result.get(timeout=WAIT)  # we never send the Challenge
+    assert kind == "err" and isinstance(value, HandshakeError)
+    assert "waiting for the producer's Challenge" in str(value)
+
+
 @pytest.mark.parametrize("reply,match", [
     (lambda c: send_frame(c, Codec(), HELLO), "answered Hello, not Welcome"),
+    (lambda c: send_frame(c, Codec(), WELCOME), "another handshake (replayed)"),
     (lambda c: c.sendall(struct.pack("!I", 4) + b"junk"), "bad reply"),
     (lambda c: c.sendall(struct.pack("!I", 40) + b"cut"), "mid-frame"),
 ])
 def test_a_bad_answer_is_a_handshake_error(listener, reply, match):
     result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), WAIT)
     with listener.accept() as conn:
-        recv_frame(conn, Codec())
+        challenge(conn)
         reply(conn)
     kind, value = result.get(timeout=WAIT)
     assert kind == "err" and isinstance(value, HandshakeError)
@@ -271,23 +318,25 @@ def test_the_decoder_hears_when_the_producer_closes_its_side_channel(listener):
     result = in_thread(handshake, "127.0.0.1", listener.port, HELLO, Codec(), WAIT,
                        on_closed=closed.put)
     conn = listener.accept()
-    recv_frame(conn, Codec())
-    send_frame(conn, Codec(), WELCOME)
-    assert result.get(timeout=WAIT) == ("ok", WELCOME)
+    welcome = welcome_for(challenge(conn))
+    send_frame(conn, Codec(), welcome)
+    assert result.get(timeout=WAIT) == ("ok", welcome)
     with pytest.raises(queue.Empty):
         closed.get(timeout=0.2)  # the connection stays open: the producer is alive
     conn.close()  # what the kernel does when the producer process dies
-    assert closed.get(timeout=WAIT) == WELCOME
+    assert closed.get(timeout=WAIT) == welcome
 
 
 def test_the_producer_hears_when_the_decoder_closes_its_side_channel(server):
     s = server(lifeline=True)
+    hello = replace(HELLO, nonce=b"d" * NONCE_BYTES)
     with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
-        send_frame(c, Codec(), HELLO)
-        assert recv_frame(c, Codec()) == WELCOME
+        hello = replace(hello, reply_to=read_challenge(c).nonce)
+        send_frame(c, Codec(), hello)
+        assert recv_frame(c, Codec()) == welcome_for(hello)
         with pytest.raises(queue.Empty):
             s.closed.get(timeout=0.2)  # still connected
-    assert s.closed.get(timeout=WAIT) == HELLO
+    assert s.closed.get(timeout=WAIT) == hello
 
 
 def test_the_decoder_can_sever_its_lifeline_and_the_producer_hears_it(server):
@@ -295,21 +344,23 @@ def test_the_decoder_can_sever_its_lifeline_and_the_producer_hears_it(server):
     s = server(lifeline=True)
     closed: queue.SimpleQueue = queue.SimpleQueue()
     severs: list = []
-    assert handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT, on_closed=closed.put,
-                     on_open=severs.append) == WELCOME
+    welcome = handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT, on_closed=closed.put,
+                        on_open=severs.append)
+    (hello,) = s.hellos
+    assert welcome == welcome_for(hello)
     with pytest.raises(queue.Empty):
         s.closed.get(timeout=0.2)
     (sever,) = severs
     sever()
-    assert s.closed.get(timeout=WAIT) == HELLO  # the producer drops the decoder
-    assert closed.get(timeout=WAIT) == WELCOME  # and our own watcher sees it closed
+    assert s.closed.get(timeout=WAIT) == hello  # the producer drops the decoder
+    assert closed.get(timeout=WAIT) == welcome  # and our own watcher sees it closed
     sever()  # twice: harmless
 
 
 def test_without_a_lifeline_the_handshake_closes_the_connection(server):
     s = server(lifeline=True)
     handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)  # no on_closed: closes at once
-    assert s.closed.get(timeout=WAIT) == HELLO
+    assert s.closed.get(timeout=WAIT) == s.hellos[0]
 
 
 def test_a_refused_handshake_holds_no_lifeline(server):
@@ -341,7 +392,8 @@ def test_roles_handshake_over_the_side_channel_and_the_lifeline_reaches_the_deco
 
     def serve() -> socket.socket:
         conn = listener.accept()
-        send_frame(conn, Codec(), producer.accept_hello(recv_frame(conn, Codec())))
+        hello = challenge(conn)
+        send_frame(conn, Codec(), replace(producer.accept_hello(hello), reply_to=hello.nonce))
         return conn
 
     held = in_thread(serve)

@@ -701,8 +701,12 @@ def test_worker_describes_what_it_holds_and_logs_it_when_asked(monkeypatch, capl
     try:
         with caplog.at_level(logging.WARNING, logger="kv_push"):
             w.start()
-            assert w.describe() == {"peers": [], "wants": [], "parked": 0, "sources": [],
-                                    "jobs": [], "rendezvous": 0, "claims": 0, "orphans": 0}
+            idle = w.describe()
+            assert not any(idle["counts"].values()), idle
+            assert {k: idle[k] for k in ("peers", "wants", "parked", "sources", "jobs",
+                                         "rendezvous", "claims", "orphans")} == {
+                "peers": [], "wants": [], "parked": 0, "sources": [], "jobs": [],
+                "rendezvous": 0, "claims": 0, "orphans": 0}
             w.prefill_done("p1", "t1", (0, 1), 8)  # no decoder registered: held
             assert wait_until(lambda: w.describe()["sources"] == [("p1", "t1")])
             assert w.describe()["rendezvous"] == 1

@@ -192,7 +192,8 @@ class PeerServer:
     def inject(self, kind: str, fields: dict | None = None, raw: bytes | None = None,
                to_engine: str | None = None, times: int = 1) -> int:
         """Send ``messages.<kind>(**fields)`` (engine_id / tp_rank / geometry_digest default to
-        this worker's, reg_id to the transfer id, prompt_digest to "", sealed for each peer as the transfer thread would) or ``raw`` bytes as a
+        this worker's, reg_id to the transfer id, prompt_digest to "", sealed for each peer as the
+        transfer thread would) or ``raw`` bytes as a
         NIXL notification to every known peer (or those of engine ``to_engine``), from the
         transfer thread; ``times`` > 1 sends the very same frame again (a replay). Returns how
         many notifications went out."""

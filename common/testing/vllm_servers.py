@@ -54,10 +54,20 @@ def server_dtype(env: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinf
     return None, "no AMX on this CPU: the model's bf16"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now, never one this process handed out before: the ports are
+    bound later by the servers, so two calls in a row could otherwise get the same one (seen: a
+    prefill server's HTTP port equal to its side-channel port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class Server:
@@ -66,7 +76,11 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self._log,
+        # PYTHONSAFEPATH: `python -m ...` must not put the working directory first on sys.path,
+        # where a checkout's bare kv_push/ folder would hide the kv_push under test (kvtest's
+        # shim on PYTHONPATH, or the installed one)
+        self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
+                                     stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
