@@ -70,7 +70,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                 config=self.push_config, role=self.kv_role,
                 engine_id=str(ktc.engine_id), tp_rank=tp_rank, tp_size=tp_size,
                 num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(),
-                block_size=block_size, dtype=compat.kv_dtype_name(vllm_config))
+                block_size=block_size, dtype=compat.kv_dtype_name(vllm_config),
+                load_failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")))
             check_model = getattr(self._worker.backend, "check_model", None)
             if check_model is not None:  # a backend that cannot serve this model says so now
                 check_model(sliding_window=getattr(mc, "get_sliding_window", lambda: None)(),

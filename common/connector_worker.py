@@ -20,7 +20,7 @@ from .backend import select_backend
 from .config import PushConfig
 from .connector_scheduler import RELEASE_KEY_PREFIX, StepPlan
 from .kv_tensors import describe_kv_caches
-from .metrics import Counters
+from .metrics import Counters, LogLimiter
 from .worker import PushWorker
 
 logger = logging.getLogger(__name__)
@@ -28,8 +28,13 @@ logger = logging.getLogger(__name__)
 
 class PushConnectorWorker:
     def __init__(self, *, config: PushConfig, role: str, engine_id: str, tp_rank: int,
-                 tp_size: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str):
+                 tp_size: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
+                 load_failure_policy: str = "fail"):
+        """``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``recompute`` or
+        ``fail``), only to label the ``load_failures`` counter: vLLM applies it."""
         self.config = config
+        self.load_failure_policy = load_failure_policy
+        self._log = LogLimiter(logger)
         self.role = role
         self.engine_id = engine_id
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -111,7 +116,10 @@ class PushConnectorWorker:
                     continue
                 blocks = self._blocks.pop(o.key, ())
                 if o.kind == "failed":
-                    logger.warning("kv_push: KV for request %s failed: %s", o.key, o.reason)
+                    self.counters.inc("load_failures", label=self.load_failure_policy)
+                    self._log.warn(f"failed {o.reason}", "kv_push: KV for request %s failed "
+                                   "(kv_load_failure_policy=%s): %s", o.key,
+                                   self.load_failure_policy, o.reason)
                     self._load_errors.update(blocks)
                     failed.add(o.key)
                 recving.add(o.key)

@@ -82,8 +82,9 @@ from .messages import (
     WriteDone,
     geometry_digest,
 )
+from .metrics import LogLimiter
 from .nixl_compat import check_peer_nixl
-from .side_channel import HandshakeError, handshake
+from .side_channel import HandshakeError, HandshakeRefused, handshake
 from .transfer_thread import Peer, RoleContext
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,9 @@ class Decoder:
         self._handshake = handshake_fn
         self._hello: Hello | None = None
         self.digest = geometry_digest(ctx.geometry)  # sent with every registration
+        # a refused pair fails every request for it: say so once per pair and reason, not
+        # once per request
+        self._log = LogLimiter(logger)
         # lifelines: one token per handshake, so a lifeline that closes before its welcome is
         # handled, or an old lifeline of a reconnected producer, is told apart
         self._tokens = itertools.count()
@@ -323,7 +327,9 @@ class Decoder:
                                           on_closed=on_closed, on_open=severs.append)
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
-                self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token))
+                refused = e.reason if isinstance(e, HandshakeRefused) else None
+                self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token,
+                                                                  refused))
                 return
             sever = severs[0] if severs else None
             self.ctx.submit(lambda: self._on_welcome(remote, rank, welcome, token, sever))
@@ -352,7 +358,8 @@ class Decoder:
             if (why := check_peer_nixl(self.ctx.nixl_version, welcome.nixl_version)) is not None:
                 raise MessageRejected("incompatible", f"producer {welcome.engine_id}: {why}")
             try:
-                welcome.geometry.compatible_with(self.ctx.geometry)
+                welcome.geometry.compatible_with(self.ctx.geometry,
+                                                 sides=("on the producer", "on the decoder"))
             except GeometryError as e:
                 raise MessageRejected("bad_layout", f"producer {welcome.engine_id}: {e}") from None
             if welcome.geometry.tp_rank != rank:
@@ -369,7 +376,8 @@ class Decoder:
             if sever is not None:
                 sever()  # we will not use it: do not keep the connection open
             self.ctx.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
-            self._on_handshake_failed(remote, rank, str(e))
+            refused = str(e) if e.reason in ("incompatible", "bad_layout") else None
+            self._on_handshake_failed(remote, rank, str(e), refused=refused)
             return
         self.ctx.counters.inc("handshakes")
         if self.staged is not None:
@@ -390,15 +398,26 @@ class Decoder:
                 self._advance(want)
 
     def _on_handshake_failed(self, remote: _Remote, rank: int, reason: str,
-                             token: int | None = None) -> None:
+                             token: int | None = None, refused: str | None = None) -> None:
+        """``refused``: the incompatibility, when one side refused the other (counted in
+        ``handshake_refusals`` labelled with the producer's address, which the router reads)."""
         if token is not None:
             self._handshaking.discard(token)
             self._closed_early.discard(token)
         remote.connecting.discard(rank)
         self.ctx.counters.inc("handshake_failures")
-        logger.warning("kv_push: handshake with %s:%d (producer rank %d) failed: %s",
-                       remote.address[0], remote.ports[rank] if rank < len(remote.ports)
-                       else remote.address[1], rank, reason)
+        host, port = remote.address
+        rank_port = remote.ports[rank] if rank < len(remote.ports) else port
+        if refused is not None:
+            self.ctx.counters.inc("handshake_refusals", label=f"{host}:{port} {refused}")
+            self._log.warn(f"refused {host}:{port} {rank} {refused}",
+                           "kv_push: producer %s:%d (rank %d) and this decoder are incompatible, "
+                           "every request between them fails until one is reconfigured: %s",
+                           host, rank_port, rank, refused)
+        else:
+            self._log.warn(f"handshake {host}:{port} {rank} {reason}",
+                           "kv_push: handshake with %s:%d (producer rank %d) failed: %s",
+                           host, rank_port, rank, reason)
         if rank == 0 and remote.tp_size is None:
             self.remotes.pop(remote.address, None)  # retry from scratch next time
         for want in list(self.by_reg.values()):
@@ -479,7 +498,8 @@ class Decoder:
         if want.state in ("fencing", "done"):
             return
         self.ctx.counters.inc("transfers_failed")
-        logger.warning("kv_push: transfer %s (%s) failed: %s", want.transfer_id, want.key, reason)
+        self._log.warn(f"fail {reason}", "kv_push: transfer %s (%s) failed: %s",
+                       want.transfer_id, want.key, reason)
         self._fence(want, "failed", reason)
 
     def _fence(self, want: _Want, outcome: str, reason: str) -> None:

@@ -121,19 +121,22 @@ class KVGeometry(msgspec.Struct, frozen=True, kw_only=True):
         if self.mem_type not in ("DRAM", "VRAM"):
             raise GeometryError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
 
-    def compatible_with(self, other: "KVGeometry") -> None:
-        """Raise GeometryError unless KV of ``self`` can be written into ``other``."""
+    def compatible_with(self, other: "KVGeometry",
+                        sides: tuple[str, str] = ("here", "at the peer")) -> None:
+        """Raise GeometryError unless KV of ``self`` can be written into ``other``.
+        ``sides`` names ``self`` and ``other`` in the message."""
+        here, there = sides
         for name in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes", "dtype", "kv_parts"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                raise GeometryError(f"{name} differs: {a} here, {b} at the peer")
+                raise GeometryError(f"{name} differs: {a} {here}, {b} {there}")
         if "opaque" in (self.token_order, other.token_order):
             # an opaque block interior can only be copied whole into an identical block
             for name in ("token_order", "block_size", "tp_size", "block_bytes"):
                 a, b = getattr(self, name), getattr(other, name)
                 if a != b:
                     raise GeometryError(
-                        f"opaque block layouts need equal {name}: {a} here, {b} at the peer")
+                        f"opaque block layouts need equal {name}: {a} {here}, {b} {there}")
 
     def regions(self) -> list[tuple[int, int]]:
         """(address, length) of the memory to register: one span per layer and part.

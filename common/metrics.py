@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
+from typing import Callable
 
 logger = logging.getLogger("kv_push")
 
@@ -39,6 +41,10 @@ COUNTERS = {
     "handshakes": "handshakes completed",
     "handshake_failures": "handshakes that failed or timed out",
     "head_sliced_plans": "plans that had to cut head slices out of token-major blocks",
+    "handshake_refusals": "handshakes refused for incompatibility (label: the producer's side "
+                          "channel HOST:PORT, then the reason)",
+    "load_failures": "KV loads that failed and went to vLLM's kv_load_failure_policy "
+                     "(label: recompute or fail)",
     "staged_transfers": "staged transfers: sub-slices packed and written (producer) / unpacked (decoder)",
     "staged_chunks": "staged chunks written (producer) / unpacked (decoder)",
     "staged_bytes": "bytes moved through staging (producer: written; decoder: unpacked)",
@@ -84,3 +90,42 @@ class Counters:
                 self._values.clear()
                 self._labelled.clear()
         return out
+
+
+class LogLimiter:
+    """Log a repeated warning once, then at most once per ``every_s`` with a count.
+
+    ``warn(key, msg, *args)`` logs at WARNING the first time ``key`` is seen and then whenever
+    ``every_s`` has passed since the last time it did (adding how many were suppressed); in
+    between at DEBUG. ``key`` names the kind of event (a reason, a peer pair), never a request.
+    At most ``max_keys`` keys are remembered (then it starts afresh), so unbounded keys cannot
+    grow memory. Thread-safe.
+    """
+
+    def __init__(self, log: logging.Logger, every_s: float = 60.0, max_keys: int = 256,
+                 clock: Callable[[], float] = time.monotonic):
+        self.log, self.every_s, self.max_keys, self.clock = log, every_s, max_keys, clock
+        self._lock = threading.Lock()
+        self._seen: dict[str, list] = {}  # key -> [last logged at, suppressed since]
+
+    def warn(self, key: str, msg: str, *args) -> bool:
+        """Returns True when this call logged at WARNING."""
+        now = self.clock()
+        with self._lock:
+            entry = self._seen.get(key)
+            if entry is None:
+                if len(self._seen) >= self.max_keys:
+                    self._seen.clear()
+                self._seen[key] = [now, 0]
+                suppressed, loud = 0, True
+            elif now - entry[0] >= self.every_s:
+                suppressed, entry[0], entry[1], loud = entry[1], now, 0, True
+            else:
+                entry[1] += 1
+                suppressed, loud = 0, False
+        if loud:
+            tail = f" ({suppressed} more like this since, logged at DEBUG)" if suppressed else ""
+            self.log.warning(msg + tail, *args)
+        else:
+            self.log.debug(msg, *args)
+        return loud

@@ -155,7 +155,8 @@ class Producer:
         if (why := check_peer_nixl(self.ctx.nixl_version, hello.nixl_version)) is not None:
             raise MessageRejected("incompatible", f"decoder {hello.engine_id}: {why}")
         try:
-            self.ctx.geometry.compatible_with(hello.geometry)
+            self.ctx.geometry.compatible_with(hello.geometry,
+                                              sides=("on the producer", "on the decoder"))
         except GeometryError as e:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,

@@ -56,6 +56,16 @@ class HandshakeError(ConnectionError):
     pass
 
 
+class HandshakeRefused(HandshakeError):
+    """The producer answered ``Refused``: the two sides cannot work together as configured
+    (``reason`` is the producer's, e.g. "bad_layout: ... opaque block layouts need equal
+    block_size ..."). Retrying will not help until one side is reconfigured."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class _Explained(HandshakeError):
     """A handshake failure whose message already names the peer and the cause."""
 
@@ -190,7 +200,7 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
     if isinstance(reply, Refused) or not isinstance(reply, Welcome):
         sock.close()
         if isinstance(reply, Refused):
-            raise HandshakeError(f"{where} refused the handshake: {reply.reason}")
+            raise HandshakeRefused(f"{where} refused the handshake: {reply.reason}", reply.reason)
         raise HandshakeError(f"{where} answered {type(reply).__name__}, not Welcome")
     if reply.reply_to != nonce:
         sock.close()

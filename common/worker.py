@@ -13,14 +13,20 @@ the backend (``alloc_staging``; size ``producer_staging_bytes`` / ``decoder_stag
 meaning the backend's ``default_staging_bytes``) and registers it with the NIXL agent next to the
 KV, before the agent's metadata is handed out. A pool the config sizes explicitly must be
 allocated (else ``BackendError``); a default-sized one that cannot be is skipped with a warning.
+
+``describe()`` tells what the worker holds in detail (for diagnosing a leak); with
+``KV_PUSH_STATE_LOG_S=N`` in the environment a worker logs it every N seconds while it holds
+anything (the end-to-end suite sets it, and prints those lines when a server is left busy).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import threading
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from .backend import BackendError, HostBackend, KVBackend
 from .config import PushConfig
@@ -34,6 +40,10 @@ from .transfer_thread import TransferThread
 from .transport import NixlTransport, Transport
 
 logger = logging.getLogger(__name__)
+
+#: environment variable: seconds between state logs (``describe``) while a worker holds
+#: anything; unset or 0: never
+STATE_LOG_ENV = "KV_PUSH_STATE_LOG_S"
 
 
 class PushWorker:
@@ -77,6 +87,7 @@ class PushWorker:
                                      tp_rank=geometry.tp_rank, geometry=geometry,
                                      config=self.config, counters=self.counters)
         self.released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._stop = threading.Event()
         self.producer: Producer | None = None
         self.decoder: Decoder | None = None
         self.side_channel: SideChannelServer | None = None
@@ -159,7 +170,23 @@ class PushWorker:
         self.thread.start()
         if self.side_channel is not None:
             self.side_channel.start()
+        every = float(os.environ.get(STATE_LOG_ENV) or 0)
+        if every > 0:
+            self._state_log = threading.Thread(target=self._log_state, args=(every,),
+                                               name="kv-push-state-log", daemon=True)
+            self._state_log.start()
         return self
+
+    def _log_state(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                state = self.describe()
+            except Exception as e:  # noqa: BLE001 - a diagnostic must never hurt the worker
+                logger.warning("kv_push state (rank %d): unreadable: %r",
+                               self.geometry.tp_rank, e)
+                continue
+            if any(state["counts"].values()):
+                logger.warning("kv_push state (rank %d): %s", self.geometry.tp_rank, state)
 
     # -- producer --------------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids, num_tokens: int, *,
@@ -210,7 +237,41 @@ class PushWorker:
             return out
         return self.thread.call(read, timeout) if self.thread.alive else read()
 
+    def describe(self, timeout: float = 5.0) -> dict[str, Any]:
+        """What this worker holds, read on the transfer thread: per decoder want (not done) its
+        key, registration id, transfer id, attempt, state, age, and per producer rank told what
+        it owes (writes, WriteDone chunks seen / expected, chunks it answered for, dead); per
+        producer the unreleased sources (key, transfer id), WRITE jobs, rendezvous entries and
+        claims, WRITE handles to dead peers still in flight; ``counts``: each role's ``live()``
+        (staging slots and rooms included)."""
+        def read() -> dict[str, Any]:
+            now = self.thread.clock()
+            out: dict[str, Any] = {"peers": sorted(self.thread.peers), "counts": {}}
+            for role in (self.producer, self.decoder):
+                if role is not None:
+                    out["counts"].update(role.live())  # every role's own count of what it holds
+            if self.decoder is not None:
+                d = self.decoder
+                out["wants"] = [
+                    {"key": w.key, "reg_id": w.reg_id, "tid": w.transfer_id,
+                     "attempt": w.attempt, "state": w.state, "age_s": round(now - w.started, 1),
+                     "told": {rank: {"writes": t.writes, "seen": len(t.seen),
+                                     "chunks": t.chunks, "due": t.due, "dead": t.dead}
+                              for rank, t in w.told.items()}}
+                    for w in d.by_reg.values()]
+                out["parked"] = len(d.parked)
+            if self.producer is not None:
+                p = self.producer
+                out["sources"] = [(src.key, src.transfer_id) for src in p.sources.values()]
+                out["jobs"] = [repr(k) for k in p.jobs]
+                out["rendezvous"] = len(p.rdv)
+                out["claims"] = p.rdv.num_claims
+                out["orphans"] = len(p.orphans)
+            return out
+        return self.thread.call(read, timeout) if self.thread.alive else read()
+
     def close(self) -> None:
+        self._stop.set()
         if self.side_channel is not None:
             self.side_channel.close()
         self.thread.close()

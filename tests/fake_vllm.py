@@ -36,6 +36,10 @@ class Behavior:
     n_chunks: int = 3  # streamed content chunks (followed by data: [DONE])
     chunk_interval: float = 0.0  # seconds between streamed chunks
     transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
+    stream_error: bool = False  # a stream fails before any output, as vLLM's does (HTTP 200,
+    # then an error event and [DONE])
+    metrics_text: str = ""  # what GET /metrics answers
+    break_after: int | None = None  # a stream breaks (connection dropped) after this many chunks
 
 
 @dataclass
@@ -77,6 +81,8 @@ class FakeVLLM:
         self.app.get("/v1/models")(self._models)
         self.app.post("/tokenize")(self._tokenize)
         self.app.get("/health")(lambda: Response(status_code=200))
+        self.app.get("/metrics")(lambda: Response(self.behavior.metrics_text,
+                                                  media_type="text/plain"))
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -161,9 +167,19 @@ class FakeVLLM:
         try:
             if b.delay:
                 await asyncio.wait({watcher}, timeout=b.delay)
+            if b.stream_error:
+                err = {"error": {"message": "Internal server error",
+                                 "type": "InternalServerError", "param": None, "code": 500}}
+                for data in (f"data: {json.dumps(err)}\n\n".encode(), b"data: [DONE]\n\n"):
+                    rec.sent += data
+                    yield data
+                rec.completed = True
+                return
             for i in range(b.n_chunks):
                 if rec.disconnected:
                     return
+                if b.break_after is not None and i == b.break_after:
+                    raise ConnectionAbortedError("fake server died mid-stream")
                 if i and b.chunk_interval:
                     await asyncio.sleep(b.chunk_interval)
                 if chat:

@@ -9,6 +9,8 @@ through a handshake function that stands in for the side channel. Producer ranks
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kv_push.common import geometry as G
@@ -26,7 +28,7 @@ from kv_push.common.messages import (
     geometry_digest,
 )
 from kv_push.common.producer import Producer
-from kv_push.common.side_channel import HandshakeError
+from kv_push.common.side_channel import HandshakeError, HandshakeRefused
 
 from fakes import FakeClock, InlineExecutor, ManualExecutor, Node, RawEnd, Wire, role_config, settle
 
@@ -278,6 +280,23 @@ def test_cancel_fences_until_every_told_producer_acks():
     assert b.outcomes() == []  # P0 may still be writing into the blocks
     b.ack(0)
     assert b.outcomes() == [Outcome("req-1", "released", "aborted")]
+    assert b.wants() == 0
+
+
+def test_a_second_want_for_a_transfer_id_does_not_orphan_the_live_one():
+    """The e2e abort-storm leak (issue 9 item 9): vLLM's API server submits a pre-aborted copy
+    of a request's kv_transfer_params (``notify_kv_transfer_request_rejected``, vLLM 0.29 and
+    0.32) when the handler is cancelled -- also when the real request reached the engine, as
+    when a client hangs up. The copy's release-only registration shares the live request's
+    transfer id; when wants were indexed by transfer id alone it displaced the live want's
+    index, whose CancelAck was then dropped as stale, and the blocks stayed fenced for good."""
+    b = Bench()
+    b.expect()  # req-1, t1: registered
+    b.expect(key="release:x", blocks=(), first_token=0, num_tokens=0)  # same t1, release-only
+    b.got()
+    b.cancel()
+    b.ack()
+    assert Outcome("req-1", "released", "aborted") in b.outcomes()
     assert b.wants() == 0
 
 
@@ -618,7 +637,7 @@ def test_a_silent_producer_that_speaks_again_can_answer():
 class Pair:
     """A real producer worker "P" and a real decoder worker "D" (TP 1 each) in-process, the
     side channel replaced by a direct call of ``accept_hello`` (a refusal becomes the
-    ``HandshakeError`` the side channel raises)."""
+    ``HandshakeRefused`` the side channel raises)."""
 
     def __init__(self, *, manual: bool = False, d_geometry: G.KVGeometry | None = None,
                  **config):
@@ -639,7 +658,7 @@ class Pair:
         try:
             return self.producer.accept_hello(hello)
         except MessageRejected as e:
-            raise HandshakeError(f"{host}:{port} refused the handshake: {e}") from None
+            raise HandshakeRefused(f"{host}:{port} refused the handshake: {e}", str(e)) from None
 
     def settle(self) -> None:
         settle(self.p, self.d, wire=self.wire)
@@ -715,3 +734,32 @@ def test_with_a_real_producer_a_refused_handshake_fails_the_request():
     assert outcome.kind == "failed" and "refused the handshake" in outcome.reason
     assert "head_size differs" in outcome.reason
     assert pair.p.count("handshakes") == 0 and pair.p.thread.peer("D") is None
+
+
+def test_a_refused_pair_is_counted_per_producer_and_logged_once(caplog):
+    """Every request for an incompatible producer fails (each tries the handshake again, the
+    producer may have been reconfigured), but the operator reads the reason once, and the
+    refusals are counted under the producer's address (what the router reads)."""
+    pair = Pair(d_geometry=d_geom(head_size=16))
+    with caplog.at_level(logging.WARNING, logger="kv_push"):
+        for i in range(3):
+            pair.expect(key=f"d-{i}", tid=f"t{i}")
+            pair.settle()
+    assert [o.kind for o in pair.outcomes()] == ["failed"] * 3
+    reason = "bad_layout: decoder D: head_size differs: 8 on the producer, 16 on the decoder"
+    assert pair.d.count("handshake_refusals", label=f"{HOST}:{PORT} {reason}") == 3
+    assert pair.d.count("handshake_failures") == 3
+    incompatible = [r for r in caplog.records if "incompatible" in r.getMessage()]
+    assert len(incompatible) == 1 and reason in incompatible[0].getMessage()
+    failed = [r for r in caplog.records if "failed" in r.getMessage()
+              and r.name == "kv_push.common.decoder"]
+    assert len(failed) == 1, [r.getMessage() for r in failed]  # one per reason, not per request
+
+
+def test_a_handshake_that_fails_for_other_reasons_is_not_a_refusal():
+    b = Bench()
+    b.refuse[PORT] = "side channel 10.0.0.7:7000: [Errno 111] Connection refused"
+    b.expect()
+    (outcome,) = b.outcomes()
+    assert outcome.kind == "failed"
+    assert b.d.count("handshake_failures") == 1 and b.d.count("handshake_refusals") == 0

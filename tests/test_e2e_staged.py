@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_e2e_vllm import (  # noqa: F401 - fixtures are used by name
-    NUM_PROMPTS, _complete, _signature, _venvs, prompts, tiny_model,
-)
+from e2e_support import NUM_PROMPTS
+from e2e_support import signature as _signature
+from e2e_support import venvs as _venvs
+from test_e2e_vllm import _complete, prompts, tiny_model  # noqa: F401 - fixtures are used by name
 from kv_push.common.testing.vllm_servers import free_port, metric, router, vllm_server
 
 pytestmark = pytest.mark.e2e

@@ -119,7 +119,7 @@ async def test_push_dispatches_both_legs_concurrently(endpoint: str, base: dict,
         assert data == drec.sent and drec.completed  # the client got exactly D's output
         tid = headers["x-request-id"]
         assert len(tid) == 32 and prec.request_id == drec.request_id == tid
-        assert drec.start < prec.end, "legs did not overlap"
+        assert drec.start < (prec.end or float("inf")), "legs did not overlap"
         assert prec.path == drec.path == endpoint
         # P leg: one token, not streamed, our transfer params.
         assert prec.body["max_tokens"] == 1 and prec.body["stream"] is False
@@ -231,7 +231,8 @@ async def test_upstream_push_learns_engine_id_then_overlaps():
         status, data, headers = await post(c, "/v1/chat/completions", dict(CHAT, stream=True))
         assert status == 200 and data == d.records[1].sent
         prec, drec = p.records[1], d.records[1]
-        assert drec.start < prec.start + 0.3, "legs did not overlap"
+        # D began while P still ran (P may not even have ended yet)
+        assert drec.start < (prec.end or float("inf")), "legs did not overlap"
         assert prec.kv == PULL_PREFILL_PARAMS
         assert drec.kv == {"do_remote_prefill": True, "do_remote_decode": False,
                            "remote_engine_id": "engine-p0", "remote_request_id": None,
@@ -248,7 +249,7 @@ async def test_upstream_push_with_configured_engine_id_is_concurrent_at_once():
         (p,), (d,) = c.prefills, c.decodes
         p.behavior.delay = 0.4
         assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
-        assert d.records[0].start < p.records[0].start + 0.3
+        assert d.records[0].start < (p.records[0].end or float("inf"))  # while P still ran
         assert d.records[0].kv["remote_engine_id"] == "eng-x"
         assert d.records[0].kv["tp_size"] == 2
         assert "remote_request_id" in d.records[0].kv  # metadata.py:334 indexes it
@@ -299,7 +300,7 @@ async def test_prefill_error_cancels_decode(stream: bool):
         d.behavior.delay = 5.0  # D waits for KV that never comes
         t0 = time.monotonic()
         r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream))
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < d.behavior.delay  # answered before D would have
         assert r.status_code == 500
         err = r.json()["error"]
         assert "p0 failed" in err["message"] and err["type"] == "prefill_error"
@@ -411,6 +412,128 @@ async def test_metrics_health_and_models():
 
         models = await c.client.get("/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "d0"
+
+
+async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event():
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.n_chunks, d.behavior.break_after = 6, 2
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200  # the response had started
+        events = [e for e in data.decode().split("\n\n") if e]
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == [
+            "d0-tok0 ", "d0-tok1 "]
+        err = json.loads(events[2][6:])["error"]
+        assert err["type"] == "decode_error", err
+        assert err["code"] == 502 and events[3] == "data: [DONE]" and len(events) == 4
+        m = await c.metrics()
+        assert m[("kv_push_router_requests_total", (("endpoint", "/v1/completions"),
+                  ("mode", "push"), ("outcome", "decode_error")))] == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+# -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------
+
+
+def _refusal_metrics(address: str, reason: str, count: float = 1.0) -> str:
+    label = reason.replace("\\", "\\\\").replace('"', '\\"')
+    return ("# TYPE vllm:kv_push_handshake_refusals_total counter\n"
+            f'vllm:kv_push_handshake_refusals_total{{engine="0",model_name="tiny",'
+            f'reason="{address} {label}"}} {count}\n'
+            'vllm:kv_push_handshake_refusals_total{engine="0",reason="10.9.9.9:1 other"} 3.0\n')
+
+
+REFUSAL = ('bad_layout: decoder abc: opaque block layouts need equal block_size: 64 on the '
+           'producer, 128 on the decoder "quoted"')
+
+
+def test_parse_refusals_reads_labels_and_skips_noise():
+    from kv_push.common.router.compat import parse_refusals
+    text = _refusal_metrics("127.0.0.1:5600", REFUSAL, 2.0) + (
+        "vllm:kv_push_handshake_refusals_created{reason=\"127.0.0.1:5600 x\"} 1.7e9\n"
+        "vllm:kv_push_handshake_refusals_total{reason=\"127.0.0.1:5600 y\"} nan-ish\n"
+        "vllm:kv_push_handshake_refusals_total{reason=\"nospace\"} 1.0\n")
+    assert parse_refusals(text) == {"127.0.0.1:5600": (REFUSAL, 2.0), "10.9.9.9:1": ("other", 3.0)}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        if stream:
+            d.behavior.stream_error = True
+        else:
+            d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream))
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "incompatible_peers", err
+        assert REFUSAL in err["message"] and "incompatible" in err["message"]
+        assert f"127.0.0.1:{KV_BASE_PORT}" in err["message"]
+        h = await c.client.get("/health")
+        assert h.status_code == 503  # the only pair cannot serve anything
+        (inc,) = h.json()["incompatible"]
+        assert inc["reason"] == REFUSAL and inc["kv"] == f"127.0.0.1:{KV_BASE_PORT}"
+        assert inc["decode"] == c.router.decode_pool.backends[0].url
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "incompatible"), ("leg", "decode")))] == 1
+        # D is reconfigured and works: the old refusals are history
+        d.behavior.fail_status, d.behavior.stream_error = None, False
+        assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        h = await c.client.get("/health", params={"probe": "true"})
+        assert h.status_code == 200 and h.json()["incompatible"] == [], h.json()
+        # a later failure with no new refusal is not blamed on the old one
+        d.behavior.fail_status = 500
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "decode_error"
+        # a new refusal is
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL, 2.0)
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "incompatible_peers"
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_a_stream_without_any_output_is_a_decode_failure():
+    """vLLM 0.29 drops a failed request's error from its stream: only ``data: [DONE]`` comes.
+    The router answers with an error instead of an empty 200 stream (and explains a refusal)."""
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.n_chunks = 0
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["type"] == "decode_error" and "without any output" in err["message"]
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
+        assert r.status_code == 500 and r.json()["error"]["type"] == "incompatible_peers"
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_refusal_of_another_producer_is_not_blamed():
+    async with cluster(n_p=2) as c:
+        d = c.decodes[0]
+        d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT + 1}", REFUSAL)
+        types = set()
+        for _ in range(2):  # round robin: one request through each P
+            r = await c.client.post("/v1/completions", json=COMPLETION)
+            types.add(r.json()["error"]["type"])
+        assert types == {"decode_error", "incompatible_peers"}
+        h = await c.client.get("/health", params={"probe": "true"})
+        (inc,) = h.json()["incompatible"]
+        assert inc["kv"] == f"127.0.0.1:{KV_BASE_PORT + 1}"
+        assert h.status_code == 200 and h.json()["status"] == "degraded"  # one pair still works
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_probe_finds_an_incompatible_pair_before_any_request():
+    async with cluster() as c:
+        c.decodes[0].behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        assert (await c.client.get("/health")).json()["incompatible"] == []  # not read yet
+        h = await c.client.get("/health", params={"probe": "true"})
+        assert h.status_code == 503 and h.json()["incompatible"][0]["reason"] == REFUSAL
 
 
 async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():

@@ -9,6 +9,9 @@ Per ``POST /v1/completions`` / ``/v1/chat/completions`` one P and one D are pick
 response is the client's. A P failure before D's first byte cancels D and becomes the client's
 error (OpenAI-style body; 502 connect, 504 timeout, else the upstream status); a D failure cancels
 P; a P failure after D's first byte is only counted. A client that goes away cancels both legs.
+When a D leg fails because D refused that P at the KV handshake (``compat``: read from D's
+``/metrics``), the client's error says so and why (type ``incompatible_peers``), and ``/health``
+lists the pair.
 
 With ``KV_PUSH_SECRET`` (or ``KV_PUSH_SECRET_FILE``) in the router's environment, the push
 mode signs both legs' ``kv_transfer_params`` (``kv_push_sig``, :mod:`kv_push.common.auth`).
@@ -35,6 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import generate_latest
 
 from kv_push.common.auth import TransferParamsSigner
+from kv_push.common.router.compat import PairCompat, parse_refusals
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.pool import Backend, BackendPool
 
@@ -77,18 +81,27 @@ def _error_response(status: int, message: str, kind: str, tid: str | None = None
 
 
 class UpstreamError(Exception):
-    """A failed leg, carrying what the client should get."""
+    """A failed leg, carrying what the client should get (``error_type``: the body's ``type``,
+    ``<leg>_error`` unless given)."""
 
-    def __init__(self, leg: str, kind: str, status: int, message: str) -> None:
+    def __init__(self, leg: str, kind: str, status: int, message: str,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.leg, self.kind, self.status, self.message = leg, kind, status, message
+        self.error_type = error_type or f"{leg}_error"
 
     def to_response(self, tid: str | None) -> JSONResponse:
-        return _error_response(self.status, self.message, f"{self.leg}_error", tid)
+        return _error_response(self.status, self.message, self.error_type, tid)
 
 
 class ClientGone(Exception):
     """The client disconnected before the response started."""
+
+
+class EmptyStream(Exception):
+    """D's stream ended before any output: vLLM 0.29 drops a failed request's error from its
+    stream (the error chunk carries no token, and empty chunks are skipped), leaving only
+    ``data: [DONE]``."""
 
 
 def _upstream_message(resp: httpx.Response) -> str:
@@ -191,14 +204,22 @@ class ProxyStream(StreamingResponse):
         ex = self.ex
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        tail = self.d.first[-2:]
         if self.d.first:
             await send({"type": "http.response.body", "body": self.d.first, "more_body": True})
         try:
             async for chunk in self.d.rest or ():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:  # too late for an error status: end the stream
+                tail = (tail + chunk)[-2:]
+        except httpx.HTTPError as exc:  # too late for an error status: say so in the stream
             ex.outcome = "decode_error"
-            ex.router.failure(ex, "decode", ex.d.backend.url, exc)
+            err = ex.router.failure(ex, "decode", ex.d.backend.url, exc)
+            if "event-stream" in self.media_type:  # as vLLM reports a failure mid-stream
+                event = json.dumps({"error": {"message": err.message, "type": err.error_type,
+                                              "code": err.status}})
+                end = b"" if tail == b"\n\n" else b"\n\n"  # close a cut-off event first
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": end + f"data: {event}\n\ndata: [DONE]\n\n".encode()})
         self._finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -236,6 +257,7 @@ class Router:
             for s in config.prefill if s.engine_id}
         self.client: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task] = set()
+        self.compat = PairCompat()
         # push mode: signs both legs' kv_transfer_params with KV_PUSH_SECRET (or the file named
         # by KV_PUSH_SECRET_FILE); P and D with the secret act on signed params only
         self.signer = TransferParamsSigner.from_env()
@@ -270,6 +292,10 @@ class Router:
             kind, status, msg = "timeout", 504, f"{leg} backend {url} timed out: {exc!r}"
         elif isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
             kind, status, msg = "connect", 502, f"cannot connect to {leg} backend {url}: {exc!r}"
+        elif isinstance(exc, EmptyStream):
+            kind, status, msg = "empty_stream", 502, (
+                f"{leg} backend {url} ended the stream without any output (the request failed "
+                "there; its log says why)")
         elif isinstance(exc, ValueError):
             kind, status, msg = "bad_response", 502, f"{leg} backend {url} sent bad JSON: {exc}"
         else:
@@ -322,6 +348,8 @@ class Router:
         try:
             if resp.status_code >= 400:
                 await resp.aread()
+                if resp.status_code >= 500:
+                    await self._explain_decode_failure(ex)
                 raise self.failure(ex, "decode", url, resp)
             rest: AsyncIterator[bytes] | None = None
             if ex.stream:
@@ -330,6 +358,11 @@ class Router:
                 async for first in rest:
                     if first:
                         break
+                head = first.lstrip()
+                if head.startswith((b'data: {"error"', b"data: [DONE]")):  # no output at all
+                    await self._explain_decode_failure(ex)
+                    if head.startswith(b"data: [DONE]"):
+                        raise self.failure(ex, "decode", url, EmptyStream())
             else:
                 first = await resp.aread()
             self.metrics.ttfb.labels(**ex.labels).observe(time.perf_counter() - ex.t0)
@@ -339,6 +372,35 @@ class Router:
             if isinstance(exc, httpx.HTTPError):
                 raise self.failure(ex, "decode", url, exc) from None
             raise
+
+    async def _refusals(self, d_url: str) -> dict[str, tuple[str, float]]:
+        """D's KV handshake refusals by producer side channel (``compat.parse_refusals``);
+        empty when D's ``/metrics`` cannot be read."""
+        assert self.client is not None
+        try:
+            r = await self.client.get(d_url + "/metrics", timeout=self.config.health_probe_timeout)
+        except httpx.HTTPError:
+            return {}
+        return parse_refusals(r.text) if r.status_code == 200 else {}
+
+    async def _explain_decode_failure(self, ex: Exchange) -> None:
+        """(push mode) D failed the request: if it is because D refused this P at the KV
+        handshake, raise that as the client's error. vLLM records the refusal in /metrics
+        in the same engine step that failed the request, so a short retry covers the race
+        between D's response and its metrics."""
+        spec = ex.p.backend.spec
+        if self.config.mode != "push" or spec is None or spec.kv is None:
+            return
+        for attempt in range(3):
+            found = self.compat.judge(spec.url, spec.kv, ex.d.backend.url,
+                                      await self._refusals(ex.d.backend.url))
+            if found is not None:
+                self.metrics.upstream_errors.labels(leg="decode", kind="incompatible").inc()
+                logger.warning("tid=%s decode leg failed: %s", ex.tid, found.message())
+                raise UpstreamError("decode", "incompatible", 500, found.message(),
+                                    "incompatible_peers")
+            if attempt < 2:
+                await asyncio.sleep(0.2)
 
     def _learn_peer(self, url: str, params: Any) -> None:
         """Remember (or refresh) an upstream-push P's engine id and sizes from its response."""
@@ -418,6 +480,8 @@ class Router:
                 raise ClientGone
             if ex.d_task in done:
                 stream = ex.d_task.result()  # a D failure raises here; close() cancels P
+                if self.config.mode == "push" and stream.resp.status_code < 400:
+                    self.compat.worked(ex.p.backend.url, ex.d.backend.url)
                 if ex.p_task.done():
                     self._note_late_prefill(ex.p_task)
                 else:
@@ -472,8 +536,20 @@ class Router:
 
         backends = self.prefill_pool.backends + self.decode_pool.backends
         problems = await asyncio.gather(*(check(b.url) for b in backends)) if probe else []
-        info: dict[str, Any] = {"status": "degraded" if any(problems) else "ok",
-                                "mode": self.config.mode, "prefill": [], "decode": []}
+        if probe and self.config.mode == "push":  # what each D says about each P
+            decodes = self.decode_pool.backends
+            refusals = await asyncio.gather(*(self._refusals(d.url) for d in decodes))
+            for d, found in zip(decodes, refusals):
+                for p in self.prefill_pool.backends:
+                    if p.spec is not None and p.spec.kv is not None:
+                        self.compat.judge(p.url, p.spec.kv, d.url, found)
+        incompatible = [i.as_dict() for i in self.compat.incompatible.values()]
+        pairs = len(self.prefill_pool.backends) * len(self.decode_pool.backends)
+        # 503 when nothing can be served: a backend is down, or every pair is incompatible
+        unusable = any(problems) or len(incompatible) == pairs
+        info: dict[str, Any] = {"status": "degraded" if any(problems) or incompatible else "ok",
+                                "mode": self.config.mode, "prefill": [], "decode": [],
+                                "incompatible": incompatible}
         for i, b in enumerate(backends):
             entry: dict[str, Any] = {"url": b.url, "outstanding": b.outstanding}
             if b.spec is not None:
@@ -481,7 +557,7 @@ class Router:
             if probe:
                 entry.update(healthy=problems[i] is None, error=problems[i])
             info[b.role].append(entry)
-        return JSONResponse(info, status_code=503 if any(problems) else 200)
+        return JSONResponse(info, status_code=503 if unusable else 200)
 
     async def forward(self, request: Request, path: str) -> Response:
         """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode

@@ -4,6 +4,13 @@ tests (tests/test_e2e_vllm.py) and the serving benchmark (benchmarks/bench_servi
 Servers run with the Python of a given virtual environment (so one suite can test several vLLM
 versions), each pinned to its own core, with the settings measured in shared/notes/vllm-on-cpu.md.
 ``build_tiny_model`` builds the tiny random model they serve (``tiny_model``).
+
+Data type: on CPUs with AMX (Sapphire Rapids and later) vLLM's bf16 CPU attention picks its
+``amx`` kernel, and a decode server's worker dies there with SIGILL on its first step for a
+remotely prefilled request (shared/notes/vllm-on-cpu.md; vLLM's own ``NixlConnector`` too). So
+every server gets ``--dtype float16`` on such CPUs (vLLM then picks its ``vec`` kernel) and keeps
+the model's bf16 elsewhere: ``server_dtype`` decides, ``KV_PUSH_E2E_DTYPE`` overrides
+(``auto``, the default; ``float16``, ``bfloat16``, or any other vLLM ``--dtype`` value).
 """
 
 from __future__ import annotations
@@ -18,6 +25,33 @@ import time
 from pathlib import Path
 
 import httpx
+
+#: the environment variable that overrides the servers' ``--dtype`` (see the module docstring)
+DTYPE_ENV = "KV_PUSH_E2E_DTYPE"
+
+
+def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises AMX tiles (the ``amx_tile`` flag, as vLLM's kernel choice
+    via ``torch.cpu._is_amx_tile_supported()`` needs it)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return False
+    return any(line.startswith("flags") and "amx_tile" in line.split()
+               for line in text.splitlines())
+
+
+def server_dtype(env: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
+                 ) -> tuple[str | None, str]:
+    """(the ``--dtype`` every CPU server gets, or None for the model's own; why)."""
+    env = os.environ if env is None else env
+    forced = env.get(DTYPE_ENV, "auto").strip() or "auto"
+    if forced != "auto":
+        return forced, f"{DTYPE_ENV}={forced}"
+    if cpu_has_amx(cpuinfo):
+        return "float16", ("this CPU has AMX: bf16 CPU attention (amx kernel) dies with SIGILL "
+                           "in P/D, float16 selects the vec kernel")
+    return None, "no AMX on this CPU: the model's bf16"
 
 
 _HANDED_OUT: set[int] = set()
@@ -82,27 +116,61 @@ class Server:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.proc.wait(10)
+                try:  # a big process on a loaded box can take a while to go
+                    self.proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    print(f"{self.name} (pid {self.proc.pid}) still there after SIGKILL",
+                          file=sys.stderr)
         self._log.close()
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every live process of this server (its process group)."""
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.proc.pid:  # the process group this server leads
+                    total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        return total
 
     def kill9(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(10)
+        self.proc.wait(120)
 
 
-def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_dir: Path,
+def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str, log_dir: Path,
                 kv_role: str | None = None, kv_port: int | None = None, connector: str = "push",
                 extra_config: dict | None = None, extra_env: dict | None = None,
                 max_model_len: int = 1024, by_name: bool = False,
-                engine_id: str | None = None) -> Server:
+                engine_id: str | None = None, dtype: str | None = "default", tp: int = 1,
+                block_size: int | None = None, kv_config: dict | None = None) -> Server:
+    """A ``vllm serve`` of ``model`` on ``port``, its OpenMP threads bound to core ``cpu``
+    (``tp`` ranks: one per entry of ``cpu`` given as ``"0|1"``, or all on ``cpu``).
+
+    ``dtype``: ``"default"`` takes ``server_dtype()`` (float16 on AMX CPUs), None the model's.
+    ``kv_config``: more top-level ``--kv-transfer-config`` keys (``kv_load_failure_policy``).
+    """
+    if dtype == "default":
+        dtype = server_dtype()[0]
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
             "--enforce-eager", "--max-model-len", str(max_model_len), "--seed", "0"]
+    if dtype:
+        argv += ["--dtype", dtype]
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
+    if block_size is not None:
+        argv += ["--block-size", str(block_size)]
+    bind = str(cpu)
+    if tp > 1 and "|" not in bind:
+        bind = "|".join([bind] * tp)
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": bind,
            "KV_PUSH_BACKEND": "host", "PYTHONUNBUFFERED": "1"}
     if kv_role is not None:
         if connector == "push":
@@ -119,6 +187,7 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int, log_
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv_port)
         if engine_id is not None:  # fixed, so a router can be told it up front
             cfg["engine_id"] = engine_id
+        cfg.update(kv_config or {})
         argv += ["--kv-transfer-config", json.dumps(cfg)]
     env.update(extra_env or {})
     return Server(name, argv, env, port, log_dir)

@@ -1,0 +1,106 @@
+"""Which prefill/decode pairs cannot work together, as the decode servers report it.
+
+In push mode a decode server (D) meets a prefill server (P) only when a request names it: D's
+worker then handshakes with P's side channel, and a pair whose KV layouts, protocol or NIXL
+releases do not match is refused there. vLLM fails such a request with a generic
+``Internal server error`` (its API turns every ``FINISHED_ERROR`` into that message; a KV
+connector has no way to put a reason in the response). The connector counts each refusal on D
+as ``vllm:kv_push_handshake_refusals_total{reason="P_HOST:P_PORT REASON"}`` (the side channel
+D dialled, i.e. the router's ``kv=`` of that P); the router reads D's ``/metrics`` when a D leg
+fails and when ``/health?probe=true`` is asked, and so can tell the client and the operator why.
+
+A refusal counted before a later success of the same pair is history (one side was
+reconfigured): only refusals beyond the count seen when the pair last worked mark it. When a
+pair worked before the router ever read D's count, that count is unknown: the next look only
+takes it as the baseline (a failure is then left unexplained rather than wrongly explained).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+logger = logging.getLogger("kv_push.router")
+
+REFUSALS_METRIC = "vllm:kv_push_handshake_refusals_total"
+_REASON = re.compile(r'reason="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_refusals(metrics_text: str) -> dict[str, tuple[str, float]]:
+    """From a decode server's ``/metrics``: producer ``HOST:PORT`` -> (latest reason, count of
+    refusals of all reasons). Lines that do not parse are skipped."""
+    out: dict[str, tuple[str, float]] = {}
+    for line in metrics_text.splitlines():
+        if not line.startswith(REFUSALS_METRIC + "{"):
+            continue
+        head, _, value = line.rpartition(" ")
+        m = _REASON.search(head)
+        try:
+            count = float(value)
+        except ValueError:
+            continue
+        if m is None or count <= 0:
+            continue
+        label = re.sub(r'\\[\\"n]', lambda e: _UNESCAPE[e.group(0)], m.group(1))
+        address, _, reason = label.partition(" ")
+        if not address or not reason:
+            continue
+        _old, total = out.get(address, ("", 0.0))
+        out[address] = (reason, total + count)
+    return out
+
+
+@dataclass(frozen=True)
+class Incompatibility:
+    prefill: str  # P's URL
+    kv: str  # P's side channel HOST:PORT
+    decode: str  # D's URL
+    reason: str
+
+    def message(self) -> str:
+        return (f"prefill {self.prefill} (KV side channel {self.kv}) and decode {self.decode} "
+                f"are incompatible, so no request can be served by this pair until one of them "
+                f"is reconfigured: {self.reason}")
+
+    def as_dict(self) -> dict[str, str]:
+        return {"prefill": self.prefill, "kv": self.kv, "decode": self.decode,
+                "reason": self.reason}
+
+
+class PairCompat:
+    """What the router knows about (P, D) pairs; single-threaded (the router's event loop)."""
+
+    def __init__(self) -> None:
+        self.incompatible: dict[tuple[str, str], Incompatibility] = {}
+        self._seen: dict[tuple[str, str], float] = {}  # refusals counted when last judged
+        # refusals counted at the pair's last success (None: it worked before any look)
+        self._cleared: dict[tuple[str, str], float | None] = {}
+
+    def judge(self, prefill: str, kv: str, decode: str,
+              refusals: dict[str, tuple[str, float]]) -> Incompatibility | None:
+        """Given D's refusals (``parse_refusals``), is the pair incompatible now? Logs the
+        first time it is (and again when the reason changes)."""
+        pair = (prefill, decode)
+        reason, count = refusals.get(kv, ("", 0.0))
+        self._seen[pair] = count
+        cleared = self._cleared.get(pair, 0.0)
+        if cleared is None:
+            self._cleared[pair] = count
+            return None
+        if count <= cleared:
+            return self.incompatible.get(pair)
+        found = Incompatibility(prefill, kv, decode, reason)
+        if self.incompatible.get(pair) != found:
+            logger.error("%s (decode server's handshake refusals: %d; see GET /health)",
+                         found.message(), count)
+        self.incompatible[pair] = found
+        return found
+
+    def worked(self, prefill: str, decode: str) -> None:
+        """A request through the pair succeeded: earlier refusals are history."""
+        pair = (prefill, decode)
+        if self.incompatible.pop(pair, None) is not None:
+            logger.info("prefill %s and decode %s work together again", prefill, decode)
+        self._cleared[pair] = self._seen.get(pair)

@@ -1,0 +1,59 @@
+"""The real-vLLM server launcher's choices (no vLLM started): the data type on AMX CPUs, and the
+command line it builds."""
+
+from __future__ import annotations
+
+import json
+
+from kv_push.common.testing.vllm_servers import (DTYPE_ENV, cpu_has_amx, server_dtype,
+                                                 vllm_server)
+
+SPR = "flags\t\t: fpu vme sse sse2 avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8\n"
+ICELAKE = "flags\t\t: fpu vme sse sse2 avx512f avx512_vnni\n"
+
+
+def _cpuinfo(tmp_path, flags: str) -> str:
+    path = tmp_path / f"cpuinfo-{len(flags)}"
+    path.write_text("processor\t: 0\nmodel name\t: x\n" + flags + "\nprocessor\t: 1\n" + flags)
+    return str(path)
+
+
+def test_amx_cpus_get_float16_others_keep_the_models_dtype(tmp_path):
+    spr, icx = _cpuinfo(tmp_path, SPR), _cpuinfo(tmp_path, ICELAKE)
+    assert cpu_has_amx(spr) and not cpu_has_amx(icx)
+    assert not cpu_has_amx(str(tmp_path / "missing"))
+    dtype, why = server_dtype(env={}, cpuinfo=spr)
+    assert dtype == "float16" and "AMX" in why
+    dtype, why = server_dtype(env={}, cpuinfo=icx)
+    assert dtype is None and "no AMX" in why
+
+
+def test_the_environment_forces_a_dtype(tmp_path):
+    spr = _cpuinfo(tmp_path, SPR)
+    assert server_dtype(env={DTYPE_ENV: "bfloat16"}, cpuinfo=spr) == (
+        "bfloat16", f"{DTYPE_ENV}=bfloat16")
+    assert server_dtype(env={DTYPE_ENV: "float16"}, cpuinfo=_cpuinfo(tmp_path, ICELAKE))[0] \
+        == "float16"
+    assert server_dtype(env={DTYPE_ENV: "auto"}, cpuinfo=spr)[0] == "float16"
+
+
+def test_command_line(tmp_path, monkeypatch):
+    """``/bin/true`` stands in for Python: the argv and environment are what would run."""
+    monkeypatch.setenv(DTYPE_ENV, "float16")
+    s = vllm_server("p", python="/bin/true", model="m", port=1234, cpu="0|1", log_dir=tmp_path,
+                    kv_role="kv_producer", kv_port=5600, tp=2, block_size=64,
+                    kv_config={"kv_load_failure_policy": "recompute"})
+    s.proc.wait(10)
+    s.stop()
+    argv = s.proc.args
+    assert argv[argv.index("--dtype") + 1] == "float16"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[argv.index("--block-size") + 1] == "64"
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert cfg["kv_load_failure_policy"] == "recompute" and cfg["kv_role"] == "kv_producer"
+    monkeypatch.setenv(DTYPE_ENV, "auto")
+    s = vllm_server("q", python="/bin/true", model="m", port=1235, cpu=1, log_dir=tmp_path,
+                    dtype=None)
+    s.proc.wait(10)
+    s.stop()
+    assert "--dtype" not in s.proc.args and "--tensor-parallel-size" not in s.proc.args
