@@ -233,9 +233,11 @@ class TestKillMidStream:
     def trio(self, env, prompts):
         servers = []
         try:
-            p1, kv1 = producer(env, "prefill-1")
-            p2, kv2 = producer(env, "prefill-2")
-            d = decoder(env, "decode")
+            # room for long streams: the tiny model decodes a few ms per token, and D must die
+            # under streams still running
+            p1, kv1 = producer(env, "prefill-1", max_model_len=2048)
+            p2, kv2 = producer(env, "prefill-2", max_model_len=2048)
+            d = decoder(env, "decode", max_model_len=2048)
             servers += [p1, p2, d]
             up(servers)
             servers.append(r1 := front(env, "router-1", p1, kv1, d))
@@ -270,7 +272,7 @@ class TestKillMidStream:
         p2 = trio["p2"]
         # long streams (the tiny model decodes a few ms per token): D dies under most of them
         results, in_flight = _traffic_with_kill(trio["r2"].url, prompts, trio["d"],
-                                                max_tokens=400)
+                                                max_tokens=1400)
         figures("e2e faults", "kill -9 D mid-stream: requests", len(results),
                 f"{in_flight} in flight at the kill; {_summary(results)}")
         assert in_flight >= 1
