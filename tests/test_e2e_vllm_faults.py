@@ -9,12 +9,15 @@
   (served, or failed with an error), none hangs; the survivor holds no request and no KV block,
   and keeps serving.
 * ``TestTensorParallel2`` -- P and D both at TP 2 (vLLM's CPU build runs TP over gloo): outputs
-  identical to a single server at TP 2. Needs 4 cores: skipped on fewer. On this 2-core box it
-  fits in memory (4.8 + 4.8 GiB resident for P and D) but not in CPU: with the four TP workers
-  (two per server, each bound to one of the two cores) the producer's first P/D request never
-  got its KV -- the producer workers' transfer threads stalled for about a minute (a handshake
-  to producer rank 1 timed out after 60 s waiting for its first frame; producer rank 0 was
-  silent for 45 s; the producer's inbox reported 61 s of queue wait), in four runs out of four.
+  identical to a single server at TP 2. Needs 4 cores: skipped on fewer (``KV_PUSH_E2E_TP2=1``
+  runs it anyway). On this 2-core box it fits in memory (4.8 + 4.8 GiB resident for P and D)
+  but it never passed (five runs): at the first P/D request the workers' transfer threads stall
+  for 45-60 s -- a handshake to producer rank 1 timed out after 60 s waiting for its first frame,
+  the producer's inbox reported 61 s of queue wait, a call onto a decoder rank's transfer thread
+  timed out while the producer saw that rank silent for 45 s -- so the KV does not arrive within
+  the decoder's 60 s. TP 1 never shows this. Whether it is four TP workers starving two cores or
+  NIXL calls that block while ranks connect to each other is not settled (gdb could not attach
+  within 120 s on the loaded box).
 
 They run on the first vLLM environment only (``KV_PUSH_E2E_HEAVY=all``: every one), so that
 ``make test``, which runs two versions, stays short.
