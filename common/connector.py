@@ -35,20 +35,6 @@ from .metrics import Counters
 logger = logging.getLogger(__name__)
 
 
-def _show_logs_where_vllm_does() -> None:
-    """Hand our loggers' records (``kv_push.*``, WARNING and up unless configured otherwise) to
-    vLLM's own handlers when nothing else would print them: Python's last-resort handler, which
-    prints them in a plain process, printed nothing in vLLM 0.29's engine and worker processes
-    (the connector's warnings never reached the server log there)."""
-    ours, theirs = logging.getLogger("kv_push"), logging.getLogger("vllm")
-    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
-        return  # configured by the user, or vLLM prints nothing either
-    for handler in theirs.handlers:  # (records still propagate: the root has no handler)
-        ours.addHandler(handler)
-
-
-_show_logs_where_vllm_does()
-
 
 class PushConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan):
