@@ -35,7 +35,6 @@ from .metrics import Counters
 logger = logging.getLogger(__name__)
 
 
-
 class PushConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan):
         self.plan = plan
