@@ -156,3 +156,25 @@ def wait_counter(peer, name: str, at_least: float, timeout: float = 20.0) -> flo
         if value >= at_least or time.monotonic() > deadline:
             return value
         time.sleep(0.005)
+
+
+class NamedPeers:
+    """Peer processes started from ``{name: PeerSpec}``, each also an attribute by its name;
+    names starting with "P" are producers, with "D" decoders (for the leak check)."""
+
+    def __init__(self, specs: dict) -> None:
+        self.by_name = dict(zip(specs, start_peers(*specs.values())))
+        for name, peer in self.by_name.items():
+            setattr(self, name, peer)
+        self.producers = [p for n, p in self.by_name.items() if n.startswith("P")]
+        self.decoders = [p for n, p in self.by_name.items() if n.startswith("D")]
+
+    def close(self) -> None:
+        close_peers(*self.by_name.values())
+
+
+def no_leaks_around(peers: NamedPeers):
+    """Generator body of an autouse fixture: nothing held after a test that was not before."""
+    before = live_state(peers.producers, peers.decoders)
+    yield
+    assert_no_leaks(peers.producers, peers.decoders, baseline=before)

@@ -24,11 +24,11 @@ from kv_push.common.testing.block_ids import fragmented_blocks
 from kv_push.common.testing.peer_process import PeerSpec
 
 try:
-    from conftest import (assert_no_leaks, close_peers, counter, free_port_pair, live_state,
-                          start_peers, wait_counter)
+    from conftest import (NamedPeers, assert_no_leaks, close_peers, counter, free_port_pair,
+                          no_leaks_around, start_peers, wait_counter)
 except ModuleNotFoundError:  # imported as a package module
-    from tests.conftest import (assert_no_leaks, close_peers, counter, free_port_pair,
-                                live_state, start_peers, wait_counter)
+    from tests.conftest import (NamedPeers, assert_no_leaks, close_peers, counter,
+                                free_port_pair, no_leaks_around, start_peers, wait_counter)
 
 pytestmark = pytest.mark.nixl
 
@@ -52,7 +52,7 @@ def _decoder(placement, order, block_size, **kw):
                     block_size=block_size, num_kv_heads=HEADS, **kw)
 
 
-class Peers:
+class Peers(NamedPeers):
     """The module's processes, by name; ``ptp``/``dtp`` are TP groups (rank order)."""
 
     def __init__(self):
@@ -75,17 +75,9 @@ class Peers:
             "DT1": _decoder("blocks_first", "HND", 8, tp_size=2, tp_rank=1,
                              engine_id="dtp2-engine"),
         }
-        started = start_peers(*specs.values())
-        self.by_name = dict(zip(specs, started))
-        for name, peer in self.by_name.items():
-            setattr(self, name, peer)
+        super().__init__(specs)
         self.ptp = [self.PT0, self.PT1]
         self.dtp = [self.DT0, self.DT1]
-        self.producers = [p for n, p in self.by_name.items() if n.startswith("P")]
-        self.decoders = [p for n, p in self.by_name.items() if n.startswith("D")]
-
-    def close(self):
-        close_peers(*self.by_name.values())
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +89,7 @@ def peers():
 
 @pytest.fixture(autouse=True)
 def no_leaks(peers):
-    before = live_state(peers.producers, peers.decoders)
-    yield
-    assert_no_leaks(peers.producers, peers.decoders, baseline=before)
+    yield from no_leaks_around(peers)
 
 
 def registers_with(p_tp: int, d_tp: int, d: int) -> list[int]:

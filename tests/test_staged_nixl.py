@@ -19,12 +19,13 @@ from kv_push.common.testing.block_ids import fragmented_blocks
 from kv_push.common.testing.peer_process import PeerSpec
 
 try:
-    from conftest import assert_no_leaks, close_peers, counter, free_port_pair, live_state, \
-        start_peers, wait_counter
+    from conftest import (NamedPeers, assert_no_leaks, close_peers, counter, free_port_pair,
+                          no_leaks_around, start_peers, wait_counter)
     from test_nixl_integration import blocks_for, push
 except ModuleNotFoundError:  # imported as a package module
-    from tests.conftest import assert_no_leaks, close_peers, counter, free_port_pair, \
-        live_state, start_peers, wait_counter
+    from tests.conftest import (NamedPeers, assert_no_leaks, close_peers, counter,
+                                free_port_pair, no_leaks_around, start_peers,
+                                wait_counter)
     from tests.test_nixl_integration import blocks_for, push
 
 pytestmark = pytest.mark.nixl
@@ -47,7 +48,7 @@ def _decoder(placement, order, block_size, *, config=None, **kw):
                     **kw)
 
 
-class Peers:
+class Peers(NamedPeers):
     def __init__(self):
         base = free_port_pair(2)
         specs = {
@@ -61,14 +62,7 @@ class Peers:
             "DT0": _decoder("blocks_first", "HND", 8, tp_size=2, tp_rank=0, engine_id="sd-tp2"),
             "DT1": _decoder("blocks_first", "HND", 8, tp_size=2, tp_rank=1, engine_id="sd-tp2"),
         }
-        self.by_name = dict(zip(specs, start_peers(*specs.values())))
-        for name, peer in self.by_name.items():
-            setattr(self, name, peer)
-        self.producers = [p for n, p in self.by_name.items() if n.startswith("P")]
-        self.decoders = [p for n, p in self.by_name.items() if n.startswith("D")]
-
-    def close(self):
-        close_peers(*self.by_name.values())
+        super().__init__(specs)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +74,7 @@ def peers():
 
 @pytest.fixture(autouse=True)
 def no_leaks(peers):
-    before = live_state(peers.producers, peers.decoders)
-    yield
-    assert_no_leaks(peers.producers, peers.decoders, baseline=before)
+    yield from no_leaks_around(peers)
 
 
 COUNTED = ("staged_transfers", "staged_chunks", "staged_bytes", "staged_fallback",
