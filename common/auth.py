@@ -19,6 +19,8 @@ blocks. With a shared secret (``KV_PUSH_SECRET``, or a file named by ``secret_fi
   reordering within ``REPLAY_WINDOW`` is tolerated. Sequence numbers start at the wall clock in
   microseconds, so a restarted process (or a counter forgotten after ``max_pairs`` other peers)
   starts above every number it used before.
+* **Router releases** -- the router's ``Release`` frames (``side_channel.release``) carry its
+  HMAC under the same key, bound to the producer's challenge nonce: not replayable.
 * **Handshake** -- nonces (``side_channel``) and the agent-name check on loading metadata
   (``TransferThread.add_peer``) live with the code they guard.
 
@@ -157,6 +159,10 @@ class TransferParamsSigner:
     @property
     def enabled(self) -> bool:
         return bool(self._secret)
+
+    def codec(self) -> Codec:
+        """A frame codec under the same key (the router's ``Release`` frames to producers)."""
+        return Codec(self._secret or None)
 
     def sign(self, params: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(params)

@@ -36,6 +36,10 @@ Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` chan
        (a staged chunk and the layers it holds; staged notices carry ``reg_id`` and count in
        ``chunks_done`` like region notices). All optional: a side that does not stage leaves
        them at their defaults and the other side takes the region path.
+  4 -- the router's release: ``Release`` (router -> producer, over the side channel, answering
+       the producer's ``Challenge`` in ``reply_to``: the transfer ids whose exchange ended
+       without decode output) and ``ReleaseAck`` (producer -> router: accepted, and every
+       producer rank's side-channel port, so the router tells each rank).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import msgspec
 
 from .geometry import KVGeometry
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class StagingRegion(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,8 +73,10 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
     length: int
     layers_per_chunk: int
 
-#: longest ``reg_id`` / ``prompt_digest`` accepted on the wire
+#: longest ``reg_id`` / ``prompt_digest`` / released transfer id accepted on the wire
 MAX_ID_CHARS = 256
+#: most transfer ids one ``Release`` may name
+MAX_RELEASE_IDS = 1024
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True, kw_only=True):
     """P worker -> D worker (side channel, first frame): a fresh nonce the Hello must answer."""
@@ -115,6 +121,28 @@ class Refused(msgspec.Struct, tag="refused", frozen=True, kw_only=True):
     """P worker -> D worker (side channel reply): the handshake is refused, and why."""
 
     reason: str
+
+
+class Release(msgspec.Struct, tag="release", frozen=True, kw_only=True):
+    """Router -> P worker (side channel, answering the producer's ``Challenge``): the exchanges
+    of these transfer ids ended without decode output (client gone before D's first byte, D
+    failed, P's leg failed), so no decoder will claim their prefills: free what no decoder has
+    claimed, and refuse registrations that come later.
+
+    ``reply_to`` is the producer's ``Challenge.nonce`` on this connection: with a secret the MAC
+    binds it, so a recorded Release never works again. One Release per connection."""
+
+    transfer_ids: tuple[str, ...]
+    reply_to: bytes = b""
+
+
+class ReleaseAck(msgspec.Struct, tag="release_ack", frozen=True, kw_only=True):
+    """P worker -> router: the Release was authenticated and handed to the transfer thread
+    (``accepted`` transfer ids); ``side_channel_ports``: every producer rank's port, rank order
+    (each rank holds its own copy of a prefill: the router tells the others too)."""
+
+    accepted: int
+    side_channel_ports: tuple[int, ...]
 
 
 class Register(msgspec.Struct, tag="reg", frozen=True, kw_only=True):
@@ -229,7 +257,7 @@ class Goodbye(msgspec.Struct, tag="bye", frozen=True, kw_only=True):
 
 Message = Union[
     Challenge, Hello, Welcome, Refused, Register, WriteDone, Cancel, CancelAck, TransferFailed,
-    Heartbeat, Goodbye
+    Heartbeat, Goodbye, Release, ReleaseAck
 ]
 
 
@@ -360,6 +388,12 @@ def _check_sane(msg: Message) -> None:
     if isinstance(msg, Challenge):
         if len(msg.nonce) != NONCE_BYTES:
             raise MessageRejected("invalid", f"challenge nonce of {len(msg.nonce)} bytes")
+    if isinstance(msg, Release):
+        if not 1 <= len(msg.transfer_ids) <= MAX_RELEASE_IDS:
+            raise MessageRejected("invalid", f"release of {len(msg.transfer_ids)} transfer ids "
+                                  f"(1 to {MAX_RELEASE_IDS})")
+        if any(not t or len(t) > MAX_ID_CHARS for t in msg.transfer_ids):
+            raise MessageRejected("invalid", "release: empty or over-long transfer id")
     if isinstance(msg, (Register, WriteDone, Cancel, CancelAck, TransferFailed)):
         if not msg.transfer_id or not msg.reg_id:
             raise MessageRejected("invalid", f"{type(msg).__name__}: empty transfer or reg id")
@@ -392,6 +426,19 @@ def _check_sane(msg: Message) -> None:
         if isinstance(msg, Hello) and msg.staging is not None and (
                 msg.staging.base <= 0 or msg.staging.length <= 0):
             raise MessageRejected("invalid", f"staging region {msg.staging!r}")
+
+
+def peek_kind(data: bytes) -> str:
+    """The tag a frame's body claims (``"release"``, ``"hello"``...), without authenticating or
+    validating anything; ``""`` when it cannot be read. Only to label a rejection (which
+    counter, which log line): never act on it."""
+    try:
+        env = _env_decoder.decode(data)
+        body = msgspec.msgpack.decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+        return ""
+    kind = body.get("type") if isinstance(body, dict) else None
+    return kind if isinstance(kind, str) else ""
 
 
 def geometry_digest(geometry: KVGeometry) -> str:

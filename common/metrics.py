@@ -49,6 +49,11 @@ COUNTERS = {
     "staged_chunks": "staged chunks written (producer) / unpacked (decoder)",
     "staged_bytes": "bytes moved through staging (producer: written; decoder: unpacked)",
     "staged_fallback": "registrations that took the region path although staging was on, by reason",
+    "released": "prefills freed at once by a router Release (no decoder had claimed them)",
+    "release_deferred": "prefills of a released transfer left to their decoder's fence/cancel "
+                        "path (already claimed); freed when those claims are done",
+    "release_rejected": "router Releases refused by this producer (label: the reason: bad_mac, "
+                        "unauthenticated, replayed, ...)",
 }
 
 
@@ -67,10 +72,12 @@ class Counters:
             if label is not None:
                 self._labelled[(name, label)] += amount
 
-    def reject(self, reason: str, detail: str, context: str = "") -> None:
-        """Count a rejected message and log it once per (reason, context)."""
-        self.inc("rejected", label=reason)
-        key = (reason, context)
+    def reject(self, reason: str, detail: str, context: str = "",
+               counter: str = "rejected") -> None:
+        """Count a rejected message in ``counter`` (labelled ``reason``) and log it once per
+        (counter, reason, context)."""
+        self.inc(counter, label=reason)
+        key = (f"{counter}:{reason}", context)
         if key not in self._logged_once:
             self._logged_once.add(key)
             logger.warning("kv_push: rejected message (%s) %s%s", reason, detail,

@@ -27,6 +27,21 @@ Safety rules:
   its source blocks may go (nothing alive reads what lands there); WRITE handles still in flight
   are kept until they finish or the transport is closed (NIXL refuses to release them).
 
+Router releases: when an exchange ends without decode output the router sends ``Release``
+(``side_channel``) and the worker hands it here (``release``, on this thread). Release means "no
+further decoder request will come for this transfer id": every source of that id is closed
+(``Rendezvous.close``: it takes no more claims), so a source no decoder has claimed is released
+at once (``released``; the engine frees its blocks as for any released source), while one
+already paired -- a registration held, a WRITE in flight, a claim not yet complete -- stays on
+the normal path (fence, cancel, time-out) and goes when its claims are done
+(``release_deferred``). The transfer id is remembered (``released_tids``, at most
+``MAX_RELEASED_TIDS``, each for ``rendezvous_ttl_s``): a prefill that finishes later is released
+at once (unless a decoder request already waits for it), and a registration of a request not
+yet claimed is failed at once (``TransferFailed``; counted ``stale{registration_after_router_
+release}``) and never written. A request already claimed keeps its source (its later ranks and
+attempts pair as usual). After the tombstone expired, a late registration only waits for a
+prefill that is gone and is failed at its time-out.
+
 Staged transfers (``staged.py``): with a ``StagedSender``, a registration that carries a slot is
 packed into this worker's staging pool and WRITTEN chunk by chunk into the slot; the job is then
 the same ``_Job`` (same answers, same ``chunks_done``: a staged chunk is a WRITE chunk) whose
@@ -39,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -72,6 +88,9 @@ from .rendezvous import (
 from .transfer_thread import Peer, RoleContext
 
 logger = logging.getLogger(__name__)
+
+#: transfer ids released by the router that a producer remembers at most (the oldest go first)
+MAX_RELEASED_TIDS = 1 << 16
 
 #: one attempt of one decoder rank of one decoder request
 JobKey = tuple[RequestKey, int, int]  # (request, decoder rank, attempt)
@@ -142,6 +161,8 @@ class Producer:
         self.readers: dict[str, int] = {}  # source key -> jobs reading it
         self.answered: dict[tuple[RequestKey, int], _Answered] = {}  # (request, d_rank)
         self.tombstones: dict[RequestKey, float] = {}  # requests whose source is gone -> when
+        # transfer ids the router released -> when (bounded: MAX_RELEASED_TIDS, rendezvous_ttl_s)
+        self.released_tids: OrderedDict[str, float] = OrderedDict()
         self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
         self._failures = itertools.count()
         self._next_sweep = 0.0  # time-outs are applied at most this often (not every step)
@@ -189,6 +210,9 @@ class Producer:
             self.staged.note_ready(key, ready)
         for pairing in pairings:
             self._start(pairing)
+        if transfer_id in self.released_tids:  # the router gave up on it before it finished
+            self._close(source.rdv_key)
+            return
         self._settle(source.rdv_key)
 
     def prefill_failed(self, transfer_id: str, reason: str, *, prompt_digest: str = "",
@@ -201,7 +225,32 @@ class Producer:
                         max(1, int(capacity)), failure=reason or "aborted")
         for pairing in self.rdv.add_source(source):
             self._start(pairing)
+        if transfer_id in self.released_tids:
+            self.rdv.close(source.rdv_key)
         self._settle(source.rdv_key)
+
+    def release(self, transfer_ids) -> None:
+        """The router released ``transfer_ids`` (see the module doc): free every source of them
+        that no decoder has claimed, close the others, and refuse later registrations."""
+        now = self.ctx.clock()
+        for tid in transfer_ids:
+            self.released_tids[tid] = now
+            self.released_tids.move_to_end(tid)
+            while len(self.released_tids) > MAX_RELEASED_TIDS:
+                self.released_tids.popitem(last=False)
+            for rdv_key in self.rdv.keys_of(tid):
+                self._close(rdv_key)
+
+    def _close(self, rdv_key: RdvKey) -> None:
+        """Close ``rdv_key``'s sources (no more claims) and release those that are done;
+        count which went at once and which wait for a decoder's claims."""
+        closed = [s for s in self.rdv.close(rdv_key) if not s.failure]
+        self._settle(rdv_key)
+        for src in closed:
+            if src.key in self.sources:
+                self.ctx.counters.inc("release_deferred")
+            else:
+                self.ctx.counters.inc("released")
 
     # -- messages ------------------------------------------------------------------------------
     def on_message(self, peer: Peer, msg) -> None:
@@ -236,6 +285,12 @@ class Producer:
             self._tell_failed(reg, "the producer already released this transfer", 0)
             self.ctx.counters.inc("stale", label="registration_after_release")
             return
+        if reg.transfer_id in self.released_tids and self.rdv.claim(reg.request) is None:
+            # the router released the transfer (its exchange ended): nothing will pair with
+            # this request, and its source may be gone -- say so now, never write
+            self._tell_failed(reg, "the router released this transfer (its exchange ended)", 0)
+            self.ctx.counters.inc("stale", label="registration_after_router_release")
+            return
         try:
             pairings, superseded = self.rdv.add_registration(reg, self._targets(peer))
         except StaleEvent as e:
@@ -265,7 +320,8 @@ class Producer:
         if job is None and seen is not None and attempt in seen.chunks_done:
             self._ack(peer.agent_name, msg, seen.chunks_done[attempt])  # a re-sent cancel
             return
-        if request not in self.tombstones:
+        released = msg.transfer_id in self.released_tids and self.rdv.claim(request) is None
+        if request not in self.tombstones and not released:
             try:
                 # drop the registration (or, if it never came, make sure it is never written)
                 self.rdv.cancel(request, rank, attempt, rdv_key=rdv_key, engine_id=msg.engine_id,
@@ -493,6 +549,11 @@ class Producer:
         for key, seen in list(self.answered.items()):
             if now - seen.when > ttl:
                 del self.answered[key]
+        while self.released_tids:
+            tid, when = next(iter(self.released_tids.items()))
+            if now - when <= ttl:
+                break
+            del self.released_tids[tid]
 
     def busy(self) -> bool:
         return bool(self.jobs)

@@ -31,6 +31,10 @@ A claim is **complete** when every decoder rank this worker writes to (``targets
 has been here ``ttl_s`` (a decoder rank that never registers must not hold the prefill forever);
 the producer then removes it (``remove_source``) once no WRITE reads it, and the claims go with
 it. A claim that found no source within ``ttl_s`` expires (``expire``).
+
+A source may also be **closed** (``close``): the router released its transfer id, so no further
+decoder request will come for it. A closed source takes no more claims (its spare capacity is
+gone) and is done once the claims it already has are complete -- at once when it has none.
 """
 
 from __future__ import annotations
@@ -126,10 +130,13 @@ class _Held:
     since: float
     assigned: list[RequestKey] = field(default_factory=list)
     expired: bool = False
+    closed: bool = False  # released by the router: takes no more claims
 
     @property
     def spare(self) -> int:
-        return 0 if self.expired else self.source.capacity - len(self.assigned)
+        if self.expired or self.closed:
+            return 0
+        return self.source.capacity - len(self.assigned)
 
 
 @dataclass
@@ -148,6 +155,7 @@ class Rendezvous:
         self._entries: dict[RdvKey, _Entry] = {}
         self._claims: dict[RequestKey, Claim] = {}
         self._where: dict[str, RdvKey] = {}  # source key -> its entry
+        self._by_tid: dict[str, set[str]] = {}  # transfer id -> prompt digests with an entry
 
     # -- introspection -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -179,11 +187,23 @@ class Rendezvous:
         rdv_key = self._where.get(source_key)
         return self._entries[rdv_key].sources.get(source_key) if rdv_key else None
 
+    def keys_of(self, transfer_id: str) -> list[RdvKey]:
+        """The rendezvous keys of ``transfer_id`` that have an entry (one per prompt digest)."""
+        return [(transfer_id, d) for d in self._by_tid.get(transfer_id, ())]
+
     def _entry(self, rdv_key: RdvKey) -> _Entry:
         entry = self._entries.get(rdv_key)
         if entry is None:
             entry = self._entries[rdv_key] = _Entry()
+            self._by_tid.setdefault(rdv_key[0], set()).add(rdv_key[1])
         return entry
+
+    def _drop_entry(self, rdv_key: RdvKey) -> None:
+        del self._entries[rdv_key]
+        digests = self._by_tid[rdv_key[0]]
+        digests.discard(rdv_key[1])
+        if not digests:
+            del self._by_tid[rdv_key[0]]
 
     # -- events --------------------------------------------------------------------------------
     def add_source(self, source: Source) -> list[Pairing]:
@@ -308,8 +328,23 @@ class Rendezvous:
         for claim in gone:
             del entry.claims[claim.key]
         if not entry.sources and not entry.claims:
-            del self._entries[rdv_key]
+            self._drop_entry(rdv_key)
         return gone
+
+    def close(self, rdv_key: RdvKey) -> list[Source]:
+        """No further decoder request will come for ``rdv_key`` (the router released its
+        transfer): its sources take no more claims, so each is done once the claims it already
+        has are complete. Claims still waiting for a source keep waiting (a prefill may still
+        arrive for them). Returns the sources it closed (not those closed before)."""
+        entry = self._entries.get(rdv_key)
+        if entry is None:
+            return []
+        out = []
+        for held in entry.sources.values():
+            if not held.closed:
+                held.closed = True
+                out.append(held.source)
+        return out
 
     def expire(self) -> tuple[list[Claim], list[Source]]:
         """Apply the time-out: claims that found no source within ``ttl_s`` are removed and
@@ -328,5 +363,5 @@ class Rendezvous:
                     held.expired = True
                     sources.append(held.source)
             if not entry.sources and not entry.claims:
-                del self._entries[rdv_key]
+                self._drop_entry(rdv_key)
         return claims, sources

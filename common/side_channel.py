@@ -17,6 +17,22 @@ too). Every socket operation has a time-out: a peer that hangs costs its own han
 never the transfer thread. A listener serves at most ``max_connections`` connections at once
 (handshakes and lifelines together); more are refused and counted (``side_channel_full``).
 
+The router uses the same listener for one more thing: **releasing** prefills nobody will claim
+(``Release``, protocol 4). When an exchange ends without decode output (the client went away
+before D's first byte, D failed, P's leg failed) D's engine may never have seen the request, so
+no decoder will ever register for it or cancel it, and P would hold the prompt's KV until
+``rendezvous_ttl_s``. The router connects (``release``), gets the ``Challenge``, sends
+``Release(transfer_ids, reply_to=nonce)`` and gets ``ReleaseAck`` (every producer rank's port:
+each rank holds its own copy, so the router then tells the other ranks) or ``Refused``; the
+connection then closes (one Release per connection, no lifeline). With a secret the frame is
+MAC'd and the MAC binds the nonce of this connection: a recorded Release is refused
+(``replayed``) on any other connection. Without a secret anyone who reaches the port can release
+(that is: make P free prefills early, so D prefills those prompts locally or fails them per its
+``kv_load_failure_policy``) -- no more than the NIXL metadata this port hands out already allows.
+The server hands a Release to ``on_release`` (which must only enqueue: the worker passes it to its
+transfer thread) and counts refused ones through ``on_release_reject`` (the frame's claimed kind
+picks that counter even when it cannot be authenticated).
+
 The connection then stays open as a **lifeline**: each side blocks on it (with TCP keep-alive)
 and reports the peer lost when it closes. When a process dies -- kill -9 included -- its kernel
 closes the socket at once, so death is seen in milliseconds even while the peer's Python threads
@@ -44,7 +60,10 @@ from .messages import (
     Message,
     MessageRejected,
     Refused,
+    Release,
+    ReleaseAck,
     Welcome,
+    peek_kind,
 )
 
 logger = logging.getLogger(__name__)
@@ -85,11 +104,16 @@ def send_frame(sock: socket.socket, codec: Codec, msg: Message) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_frame(sock: socket.socket, codec: Codec) -> Message:
+def recv_raw(sock: socket.socket) -> bytes:
+    """One frame's bytes (not yet decoded)."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_MESSAGE_BYTES:
         raise MessageRejected("oversize", f"side-channel frame of {n} bytes")
-    return codec.decode(_recv_exact(sock, n))
+    return _recv_exact(sock, n)
+
+
+def recv_frame(sock: socket.socket, codec: Codec) -> Message:
+    return codec.decode(recv_raw(sock))
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -215,19 +239,101 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
     return reply
 
 
+class ReleaseFailed(HandshakeError):
+    """A ``release`` that did not go through. ``kind`` (a metrics label): ``connect`` (nobody
+    listens, or the connection broke), ``timeout``, ``refused`` (the producer answered
+    ``Refused``, or its Challenge could not be authenticated here; ``reason`` says why),
+    ``bad_reply`` (it answered something else)."""
+
+    def __init__(self, message: str, kind: str, reason: str = ""):
+        super().__init__(message)
+        self.kind, self.reason = kind, reason
+
+
+def release(host: str, port: int, transfer_ids: tuple[str, ...], codec: Codec,
+            timeout: float) -> ReleaseAck:
+    """Router side: tell the producer worker at host:port to release ``transfer_ids`` (1 to
+    ``MAX_RELEASE_IDS``). Every socket operation is bounded by ``timeout``. Returns the
+    producer's ``ReleaseAck``; raises ``ReleaseFailed`` otherwise."""
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            try:
+                challenge = recv_frame(sock, codec)
+            except MessageRejected as e:
+                reason = explain(e, f"the producer at {where}", "router")
+                _refuse_quietly(sock, codec, reason)
+                raise ReleaseFailed(f"release to {where} refused here: {reason}", "refused",
+                                    e.reason) from None
+            if isinstance(challenge, Refused):
+                raise ReleaseFailed(f"{where} refused the release: {challenge.reason}",
+                                    "refused", challenge.reason)
+            if not isinstance(challenge, Challenge):
+                raise ReleaseFailed(f"{where} opened with {type(challenge).__name__}, not "
+                                    "Challenge", "bad_reply")
+            send_frame(sock, codec, Release(transfer_ids=tuple(transfer_ids),
+                                            reply_to=challenge.nonce))
+            try:
+                reply = recv_frame(sock, codec)
+            except MessageRejected as e:
+                raise ReleaseFailed(f"bad reply from {where}: "
+                                    f"{explain(e, f'the producer at {where}', 'router')}",
+                                    "bad_reply", e.reason) from None
+    except socket.timeout:
+        raise ReleaseFailed(f"side channel {where}: timed out after {timeout:g}s",
+                            "timeout") from None
+    except ReleaseFailed:
+        raise
+    except OSError as e:  # HandshakeError (closed mid-frame) included
+        raise ReleaseFailed(f"side channel {where}: {e}", "connect") from None
+    if isinstance(reply, Refused):
+        raise ReleaseFailed(f"{where} refused the release: {reply.reason}", "refused",
+                            reply.reason)
+    if not isinstance(reply, ReleaseAck):
+        raise ReleaseFailed(f"{where} answered {type(reply).__name__}, not ReleaseAck",
+                            "bad_reply")
+    return reply
+
+
 class SideChannelServer:
-    """Producer side: answers handshakes with ``on_hello(hello) -> Welcome`` (which may raise).
+    """Producer side: answers handshakes with ``on_hello(hello) -> Welcome`` (which may raise)
+    and, with ``on_release``, the router's releases with ``on_release(release) -> ReleaseAck``.
 
     ``on_hello`` sees only a Hello that answers this connection's challenge (and, with a secret,
-    is authenticated); the Welcome it returns gets the Hello's nonce in ``reply_to`` here."""
+    is authenticated); the Welcome it returns gets the Hello's nonce in ``reply_to`` here. The
+    same holds for ``on_release``, which must not block (hand the Release on and return).
+    Refused handshakes go to ``on_reject(reason, detail)``, refused releases to
+    ``on_release_reject(reason, detail)`` (``on_reject`` when not given)."""
 
     def __init__(self, host: str, port: int, codec: Codec, on_hello: Callable[[Hello], Welcome],
                  on_reject: Callable[[str, str], None], timeout: float,
-                 on_closed: Callable[[Hello], None] | None = None, max_connections: int = 1024):
+                 on_closed: Callable[[Hello], None] | None = None, max_connections: int = 1024,
+                 on_release: Callable[[Release], ReleaseAck] | None = None,
+                 on_release_reject: Callable[[str, str], None] | None = None):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
-        on_closed_ = on_closed
+        on_closed_, on_release_ = on_closed, on_release
+        on_release_reject_ = on_release_reject or on_reject
+
+        def answer_release(msg: Release, nonce: bytes, peer: str) -> Message:
+            """The reply to a decoded Release (``Refused`` for one that must not count)."""
+            try:
+                if on_release_ is None:
+                    raise MessageRejected("unexpected", "Release on a side channel that takes "
+                                          "none")
+                if msg.reply_to != nonce:
+                    raise MessageRejected("replayed", "the Release does not answer this "
+                                          "connection's challenge (recorded elsewhere?)")
+                return on_release_(msg)
+            except MessageRejected as e:
+                on_release_reject_(e.reason, f"release from {peer}: {e.detail}")
+                return Refused(reason=str(e))
+            except Exception as e:  # on_release failed: tell the router why
+                logger.exception("kv_push: release from %s failed", peer)
+                on_release_reject_("internal_error", f"release from {peer}: {e!r}")
+                return Refused(reason=f"{type(e).__name__}: {e}")
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
@@ -235,24 +341,37 @@ class SideChannelServer:
                 sock.settimeout(timeout_)
                 peer = f"{self.client_address[0]}:{self.client_address[1]}"
                 nonce = os.urandom(NONCE_BYTES)
+                msg: Message | None = None
                 try:
                     send_frame(sock, codec_, Challenge(nonce=nonce))
+                    raw = recv_raw(sock)
                     try:
-                        msg = recv_frame(sock, codec_)
+                        msg = codec_.decode(raw)
                     except MessageRejected as e:
+                        if peek_kind(raw) == "release":  # what it claims to be: only a label
+                            on_release_reject_(e.reason, "release from "
+                                               f"{peer}: {explain(e, 'the router', 'producer')}")
+                            _refuse_quietly(sock, codec_,
+                                            explain(e, "the router", "producer"))
+                            return
                         raise _explained(e, f"the decoder at {peer}", "producer") from None
-                    if isinstance(msg, Refused):
-                        on_reject_("peer_refused", f"decoder at {peer} refused the handshake: "
-                                   f"{msg.reason}")
-                        return
-                    if not isinstance(msg, Hello):
-                        raise MessageRejected("unexpected", f"{type(msg).__name__} on side channel")
-                    if msg.reply_to != nonce:
-                        raise MessageRejected("replayed", "the Hello does not answer this "
-                                              "connection's challenge (recorded elsewhere?)")
-                    if len(msg.nonce) != NONCE_BYTES:
-                        raise MessageRejected("invalid", f"Hello nonce of {len(msg.nonce)} bytes")
-                    reply: Message = msgspec.structs.replace(on_hello_(msg), reply_to=msg.nonce)
+                    if isinstance(msg, Release):
+                        reply: Message = answer_release(msg, nonce, peer)
+                    else:
+                        if isinstance(msg, Refused):
+                            on_reject_("peer_refused", f"decoder at {peer} refused the "
+                                       f"handshake: {msg.reason}")
+                            return
+                        if not isinstance(msg, Hello):
+                            raise MessageRejected("unexpected",
+                                                  f"{type(msg).__name__} on side channel")
+                        if msg.reply_to != nonce:
+                            raise MessageRejected("replayed", "the Hello does not answer this "
+                                                  "connection's challenge (recorded elsewhere?)")
+                        if len(msg.nonce) != NONCE_BYTES:
+                            raise MessageRejected("invalid",
+                                                  f"Hello nonce of {len(msg.nonce)} bytes")
+                        reply = msgspec.structs.replace(on_hello_(msg), reply_to=msg.nonce)
                 except MessageRejected as e:
                     on_reject_(e.reason, f"handshake from {peer}: {e.detail}")
                     reply = Refused(reason=str(e))
@@ -268,7 +387,8 @@ class SideChannelServer:
                     on_reject_("handshake_io", f"reply to {peer}: {e}")
                     return
                 if isinstance(reply, Welcome) and on_closed_ is not None:
-                    hold_lifeline(sock, lambda: on_closed_(msg))  # this handler thread waits
+                    hello = msg
+                    hold_lifeline(sock, lambda: on_closed_(hello))  # this handler thread waits
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True

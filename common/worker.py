@@ -6,6 +6,8 @@ handshake side channel. Every engine-facing method only enqueues work for the tr
 and returns at once; results come back through thread-safe queues the engine drains:
 
 * producer: ``prefill_done(...)``; ``released`` yields request keys whose blocks may be freed;
+  the side channel also takes the router's ``Release`` (``_accept_release``: authenticated there,
+  handed to the transfer thread here, answered at once);
 * decoder: ``expect(...)``, ``cancel(key)``; ``outcomes`` yields ``Outcome`` records.
 
 Staging pools (``staged.py``): unless ``staged`` is "off", each role allocates its pool through
@@ -32,6 +34,7 @@ from .backend import BackendError, HostBackend, KVBackend
 from .config import PushConfig
 from .decoder import Decoder, Outcome
 from .geometry import KVGeometry
+from .messages import Release, ReleaseAck
 from .metrics import Counters
 from .producer import Producer
 from .staged import StagedReceiver, StagedSender, StagingMemory, staging_unavailable
@@ -109,6 +112,9 @@ class PushWorker:
                 on_closed=lambda hello: self.thread.peer_lost(
                     hello.agent_name, "decoder closed its side channel"),
                 max_connections=self.config.max_side_channel_connections,
+                on_release=self._accept_release,
+                on_release_reject=lambda reason, detail: self.counters.reject(
+                    reason, detail, context="router release", counter="release_rejected"),
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)
@@ -206,6 +212,14 @@ class PushWorker:
         self.thread.submit(lambda: producer.prefill_failed(
             transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity))
 
+    def _accept_release(self, release: Release) -> ReleaseAck:
+        """(side-channel thread) An authenticated ``Release`` from the router: hand it to the
+        transfer thread (never waits for it) and answer with every rank's port."""
+        producer = self._need(self.producer, "release")
+        ids = tuple(release.transfer_ids)
+        self.thread.submit(lambda: producer.release(ids))
+        return ReleaseAck(accepted=len(ids), side_channel_ports=producer.side_channel_ports)
+
     def drain_released(self) -> list[str]:
         return _drain(self.released)
 
@@ -267,6 +281,7 @@ class PushWorker:
                 out["rendezvous"] = len(p.rdv)
                 out["claims"] = p.rdv.num_claims
                 out["orphans"] = len(p.orphans)
+                out["released_tids"] = len(p.released_tids)
             return out
         return self.thread.call(read, timeout) if self.thread.alive else read()
 

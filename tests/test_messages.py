@@ -42,6 +42,8 @@ from kv_push.common.messages import (
     MessageRejected,
     Refused,
     Register,
+    Release,
+    ReleaseAck,
     Route,
     TransferFailed,
     Welcome,
@@ -105,12 +107,17 @@ def sample_messages() -> list[M.Message]:
                        tp_rank=0, reason="WRITE failed", chunks_done=0),
         Heartbeat(engine_id="pre-0", tp_rank=0, seq=2**63 - 1),
         Goodbye(engine_id="dec-0", tp_rank=1),
+        # the router's release (protocol 4)
+        Release(transfer_ids=("0123456789abcdef0123456789abcdef", "t" * M.MAX_ID_CHARS),
+                reply_to=bytes(range(16))),
+        Release(transfer_ids=tuple(f"tid-{i}" for i in range(M.MAX_RELEASE_IDS))),
+        ReleaseAck(accepted=2, side_channel_ports=(5600, 5601, 5602, 5603)),
     ]
 
 
 def test_samples_cover_every_message_type():
     assert {type(m) for m in sample_messages()} == set(MESSAGE_TYPES)
-    assert len(MESSAGE_TYPES) == 11
+    assert len(MESSAGE_TYPES) == 13
 
 
 def reason_of(codec: Codec, data, route: Route = NO_ROUTE) -> str:
@@ -425,6 +432,26 @@ def test_invalid_answers(msg):
     assert reason_of(Codec(), Codec().encode(msg)) == "invalid"
 
 
+@pytest.mark.parametrize("ids", [
+    (), ("",), ("ok", ""), ("t" * (M.MAX_ID_CHARS + 1),),
+    tuple(f"t{i}" for i in range(M.MAX_RELEASE_IDS + 1)),
+], ids=lambda ids: f"{len(ids)} ids")
+def test_invalid_release(ids):
+    for secret in (None, SECRET):
+        msg = Release(transfer_ids=ids, reply_to=b"n" * 16)
+        assert reason_of(Codec(secret), Codec(secret).encode(msg)) == "invalid"
+
+
+def test_peek_kind_names_the_claimed_type_without_trusting_it():
+    """For labelling a rejection only: the tag a frame claims, authenticated or not."""
+    msg = Release(transfer_ids=("t",))
+    assert M.peek_kind(Codec(b"another key").encode(msg)) == "release"
+    assert M.peek_kind(Codec().encode(Goodbye(engine_id="e", tp_rank=0))) == "bye"
+    for junk in (b"", b"\xc1", envelope(PROTOCOL_VERSION, b"\x93\x01\x02\x03"),
+                 envelope(PROTOCOL_VERSION, msgspec.msgpack.encode({"type": 3}))):
+        assert M.peek_kind(junk) == ""
+
+
 @pytest.mark.parametrize("msg", [
     WriteDone(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, num_bytes=1,
               staged=True),
@@ -528,6 +555,9 @@ def oracle_invalid(msg) -> bool:
                 or (s is not None and (s.offset < 0 or s.length < 1 or s.layers_per_chunk < 1)))
     if isinstance(msg, Challenge):
         return len(msg.nonce) != 16
+    if isinstance(msg, Release):
+        return (not 1 <= len(msg.transfer_ids) <= M.MAX_RELEASE_IDS
+                or any(t == "" or len(t) > M.MAX_ID_CHARS for t in msg.transfer_ids))
     if isinstance(msg, WriteDone):
         return (msg.num_bytes < 0 or msg.chunks < 1 or msg.chunk < 0 or msg.chunk >= msg.chunks
                 or (msg.staged and (msg.layer_lo < 0 or msg.layer_hi <= msg.layer_lo)))
@@ -596,6 +626,10 @@ messages = st.one_of(
               tp_rank=some_int, reason=text),
     st.builds(Heartbeat, engine_id=text, tp_rank=some_int, seq=some_int),
     st.builds(Goodbye, engine_id=text, tp_rank=some_int),
+    st.builds(Release, transfer_ids=st.lists(text, max_size=4).map(tuple),
+              reply_to=st.binary(max_size=20)),
+    st.builds(ReleaseAck, accepted=some_int,
+              side_channel_ports=st.lists(some_int, max_size=4).map(tuple)),
 )
 
 msgpack_values = st.recursive(
@@ -604,7 +638,7 @@ msgpack_values = st.recursive(
     max_leaves=12,
 )
 TAGS = ["challenge", "hello", "welcome", "refused", "reg", "done", "cancel", "cancel_ack", "failed",
-        "hb", "bye"]
+        "hb", "bye", "release", "release_ack"]
 
 
 @settings(max_examples=700, deadline=None, suppress_health_check=list(HealthCheck))

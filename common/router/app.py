@@ -13,8 +13,14 @@ When a D leg fails because D refused that P at the KV handshake (``compat``: rea
 ``/metrics``), the client's error says so and why (type ``incompatible_peers``), and ``/health``
 lists the pair.
 
+In push mode an exchange that ends without D's output (client gone before D's first byte, D
+failed, P failed) also releases P's prefill of it: :mod:`kv_push.common.router.release` sends P a
+``Release`` of the transfer id in the background (never delaying the client's response), so P
+frees that KV at once rather than at its ``rendezvous_ttl_s``.
+
 With ``KV_PUSH_SECRET`` (or ``KV_PUSH_SECRET_FILE``) in the router's environment, the push
-mode signs both legs' ``kv_transfer_params`` (``kv_push_sig``, :mod:`kv_push.common.auth`).
+mode signs both legs' ``kv_transfer_params`` (``kv_push_sig``, :mod:`kv_push.common.auth`) and
+authenticates its releases with the same key.
 What each mode sends and why (with the vLLM source it was read from): ``docs/router.md``.
 """
 
@@ -41,6 +47,7 @@ from kv_push.common.auth import TransferParamsSigner
 from kv_push.common.router.compat import PairCompat, parse_refusals
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.pool import Backend, BackendPool
+from kv_push.common.router.release import ReleaseSender
 
 logger = logging.getLogger("kv_push.router")
 
@@ -71,6 +78,12 @@ class Metrics:
                               lat, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_latency_seconds", "Router receipt to end of response",
                              lat, buckets=_LATENCY_BUCKETS, registry=r)
+        self.releases = Counter(
+            p + "releases", "Transfer ids of exchanges that ended without decode output, by "
+            "what became of their release to P (sent, failed, dropped)", ["result"], registry=r)
+        self.release_errors = Counter(
+            p + "release_errors", "Releases that did not reach a P rank, by kind (connect, "
+            "timeout, refused, bad_reply, internal)", ["kind"], registry=r)
 
 
 def _error_response(status: int, message: str, kind: str, tid: str | None = None
@@ -127,6 +140,7 @@ class DecodeStream:
     resp: httpx.Response
     first: bytes
     rest: AsyncIterator[bytes] | None
+    output: bool = True  # D produced output (False: an error status or event came first)
 
     async def aclose(self) -> None:
         if self.rest is not None:
@@ -158,6 +172,7 @@ class Exchange:
         self.disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
         self.outcome = "ok"
         self.labels = {"endpoint": endpoint, "mode": router.config.mode}
+        self.decode_output = False  # D produced output: its engine saw the request and has it
         self._closed = False
 
     async def close(self) -> None:
@@ -165,6 +180,8 @@ class Exchange:
         if self._closed:
             return
         self._closed = True
+        if not self.decode_output:
+            self.router.release(self)  # queued only: the response is not delayed
         p, d = self.p_task, self.d_task
         adopted = p is not None and not p.done() and self.outcome == "ok"
         if adopted:
@@ -264,6 +281,9 @@ class Router:
         if config.mode == "push" and not self.signer.enabled:
             logger.warning("no KV_PUSH_SECRET: kv_transfer_params go out unsigned (P and D with "
                            "a secret will serve such requests without KV transfer)")
+        # push mode: releases P's prefills of exchanges that end without D's output
+        self.releaser = ReleaseSender(self.signer.codec(), config.release_timeout,
+                                      self.metrics.releases, self.metrics.release_errors)
 
     async def start(self) -> None:
         c = self.config
@@ -274,6 +294,7 @@ class Router:
         )
 
     async def stop(self) -> None:
+        await self.releaser.close()
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -303,6 +324,16 @@ class Router:
         self.metrics.upstream_errors.labels(leg=leg, kind=kind).inc()
         logger.warning("tid=%s %s leg failed (%s): %s", ex.tid if ex else "-", leg, kind, msg)
         return UpstreamError(leg, kind, status, msg)
+
+    def release(self, ex: Exchange) -> None:
+        """(push mode) ``ex`` ended without D's output: D's engine may never have seen it, so
+        nobody else will make P let go of its prefill -- queue a ``Release`` of its transfer id
+        to P's side channel (sent in the background)."""
+        spec = ex.p.backend.spec
+        if self.config.mode != "push" or spec is None or spec.kv_host is None:
+            return
+        assert spec.kv_port is not None
+        self.releaser.release(spec.kv_host, spec.kv_port, ex.tid)
 
     def adopt(self, task: asyncio.Task) -> None:
         """Keep a P leg that outlives its exchange until it ends (cancelled at shutdown)."""
@@ -359,14 +390,16 @@ class Router:
                     if first:
                         break
                 head = first.lstrip()
-                if head.startswith((b'data: {"error"', b"data: [DONE]")):  # no output at all
+                output = not head.startswith((b'data: {"error"', b"data: [DONE]"))
+                if not output:  # no output at all
                     await self._explain_decode_failure(ex)
                     if head.startswith(b"data: [DONE]"):
                         raise self.failure(ex, "decode", url, EmptyStream())
             else:
                 first = await resp.aread()
+                output = True
             self.metrics.ttfb.labels(**ex.labels).observe(time.perf_counter() - ex.t0)
-            return DecodeStream(resp, first, rest)
+            return DecodeStream(resp, first, rest, output)
         except BaseException as exc:
             await resp.aclose()
             if isinstance(exc, httpx.HTTPError):
@@ -469,7 +502,9 @@ class Router:
                                ex.tid)
             d_body = dict(ex.body, kv_transfer_params=d_params) if d_params else ex.body
             ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
-            return await self._await(ex, ex.d_task)
+            stream = await self._await(ex, ex.d_task)
+            ex.decode_output = stream.output
+            return stream
 
         d_body = dict(ex.body, kv_transfer_params=d_params)
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
@@ -480,6 +515,7 @@ class Router:
                 raise ClientGone
             if ex.d_task in done:
                 stream = ex.d_task.result()  # a D failure raises here; close() cancels P
+                ex.decode_output = stream.output
                 if self.config.mode == "push" and stream.resp.status_code < 400:
                     self.compat.worked(ex.p.backend.url, ex.d.backend.url)
                 if ex.p_task.done():

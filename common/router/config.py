@@ -110,6 +110,8 @@ class RouterConfig:
     connect_timeout: float = 10.0
     max_connections: int = 1024  # size of the shared httpx connection pool
     health_probe_timeout: float = 2.0
+    #: (push) bound of each socket operation of a release to a P side channel, seconds
+    release_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,6 +133,8 @@ class RouterConfig:
             raise ValueError(f"backend URL given more than once: {', '.join(dupes)}")
         if not self.timeout > 0 or not self.connect_timeout > 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+        if not self.release_timeout > 0:
+            raise ValueError(f"--release-timeout must be > 0, got {self.release_timeout}")
         if not self.health_probe_timeout > 0:
             raise ValueError(f"health_probe_timeout must be > 0, got {self.health_probe_timeout}")
         if not 0 < self.port < 65536:
@@ -168,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=300.0, help="upstream read timeout, s (%(default)s)"
     )
     p.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool")
+    p.add_argument(
+        "--release-timeout", type=float, default=5.0,
+        help="push: time-out of each step of releasing P's prefill of an exchange that ended "
+        "without decode output, s (%(default)s)")
     p.add_argument("--log-level", default="info", help="uvicorn/router log level")
     return p
 
@@ -189,6 +197,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RouterConfig, str]:
             timeout=ns.timeout,
             connect_timeout=min(10.0, ns.timeout),
             max_connections=ns.max_connections,
+            release_timeout=ns.release_timeout,
         )
     except ValueError as exc:
         parser.error(str(exc))  # exits
