@@ -24,6 +24,7 @@ from kv_push.common.messages import (
     WriteDone,
     geometry_digest,
 )
+from kv_push.common import producer as producer_module
 from kv_push.common.producer import Producer
 
 from fakes import FakeClock, Node, RawEnd, Wire, role_config
@@ -104,6 +105,11 @@ class Bench:
                        capacity: int = 1):
         self.p.thread.submit(lambda: self.producer.prefill_failed(
             tid, reason, prompt_digest=digest, capacity=capacity))
+        self.p.step()
+
+    def release(self, *tids: str) -> None:
+        """The router's Release, handed to the thread as ``PushWorker`` does."""
+        self.p.thread.submit(lambda: self.producer.release(tids or ("t1",)))
         self.p.step()
 
     def got(self, rank: int = 0) -> list:
@@ -535,6 +541,143 @@ def test_a_registration_after_release_is_refused_at_once_until_the_tombstone_exp
     assert b.producer.tombstones == {} and b.producer.answered == {}
     b.register(attempt=2)  # forgotten: an ordinary early registration again
     assert b.got() == [] and b.p.count("registrations_early") == 2
+
+
+# -- the router's release ------------------------------------------------------------------------
+# The router sends Release(tid) when an exchange ended without decode output: D's engine may never
+# have seen the request, so nobody else would free the prefill before the TTL.
+
+RELEASED = "the router released this transfer (its exchange ended)"
+
+
+def test_a_release_frees_an_unclaimed_prefill_at_once():
+    b = Bench()
+    b.prefill()
+    b.prefill("req-2", tid="t2")
+    assert b.released == []
+    b.release("t1")
+    assert b.released == ["req-1"]  # at once, not at the TTL; the other transfer stays
+    assert b.p.count("released") == 1 and b.p.count("expired") == 0
+    assert b.producer.live()["sources"] == 1 and b.writes() == [] and b.got() == []
+    b.release("t2", "never-seen")
+    assert b.released == ["req-1", "req-2"] and b.idle()
+    assert list(b.producer.released_tids) == ["t1", "t2", "never-seen"]
+
+
+def test_a_release_frees_every_prefill_of_the_transfer():
+    b = Bench()
+    b.prefill("p-a", digest="A")  # a prompt list: one transfer id, several prompts
+    b.prefill("p-b", digest="B")
+    b.prefill("p-b2", digest="B")
+    b.release()
+    assert sorted(b.released) == ["p-a", "p-b", "p-b2"] and b.idle()
+    assert b.p.count("released") == 3
+
+
+def test_a_release_leaves_a_write_in_flight_to_its_decoder():
+    b = Bench()
+    b.p.transport.hold_writes = True
+    b.register()
+    b.prefill()
+    (w,) = b.writes()
+    b.release()
+    b.p.step(3)
+    assert b.released == [] and not w.released  # never freed under a WRITE
+    assert b.p.count("release_deferred") == 1 and b.p.count("released") == 0
+    b.p.transport.finish(w)
+    b.p.step()
+    assert b.got() == [done()] and b.released == ["req-1"] and b.idle()
+
+
+def test_a_release_leaves_a_claimed_prefill_until_every_decoder_rank_is_served():
+    b = Bench(d_tp=2)  # P TP 1 writes both D ranks
+    b.prefill()
+    b.register(rank=0)
+    assert b.got(0) == [done(num_bytes=4 * BLOCK_BYTES)]
+    b.release()
+    assert b.released == [] and b.p.count("release_deferred") == 1
+    b.register(rank=1)  # the claimed request's other rank still pairs and is written
+    assert b.got(1) == [done(num_bytes=4 * BLOCK_BYTES, rank=0)]
+    assert b.released == ["req-1"] and b.idle()
+
+
+def test_a_release_frees_a_fanout_prefill_once_its_claims_are_done():
+    b = Bench()
+    b.prefill(capacity=2)
+    b.register(reg="d-1")
+    assert b.got() == [done()] and b.released == []  # one more decoder request could come
+    b.release()
+    assert b.released == ["req-1"] and b.p.count("released") == 1 and b.idle()
+
+
+def test_a_registration_after_a_release_fails_at_once_and_is_never_written():
+    b = Bench()
+    b.prefill()
+    b.release()
+    b.register()
+    assert failed(b) == [fail(RELEASED)]  # at once, not at the TTL
+    assert b.writes() == []
+    assert b.p.count("stale", label="registration_after_router_release") == 1
+    b.register(rank=0, attempt=0)  # a copy: already answered
+    assert b.got() == [] and b.writes() == [] and b.idle()
+    b.register(tid="t2", reg="d-2")  # other transfers are not affected
+    assert b.got() == [] and b.p.count("registrations_early") == 1
+
+
+def test_a_registration_after_a_release_of_a_prefill_still_running_fails_at_once():
+    """The Release may overtake the prefill (P's engine reports it a step later): the
+    registration is failed at once, and the prefill is freed as soon as it is reported."""
+    b = Bench()
+    b.release()
+    b.register()
+    assert failed(b) == [fail(RELEASED)]
+    b.prefill()
+    assert b.released == ["req-1"] and b.writes() == [] and b.idle()
+    assert b.p.count("released") == 1
+
+
+def test_a_prefill_after_a_release_still_serves_a_decoder_that_registered_before():
+    b = Bench()
+    b.register()  # D registered first: its claim waits for the prefill
+    b.release()
+    b.prefill()
+    assert b.got() == [done()] and b.released == ["req-1"] and b.idle()
+    assert b.p.count("release_deferred") == 1
+
+
+def test_a_failed_prefill_after_a_release_leaves_nothing():
+    b = Bench()
+    b.release()
+    b.prefill_failed()
+    assert b.idle() and b.got() == []
+
+
+def test_a_cancel_after_a_release_is_acked_and_holds_nothing():
+    b = Bench()
+    b.prefill()
+    b.release()
+    b.cancel()  # D's engine saw the request after all, and aborted it before registering
+    assert b.got() == [ack()]
+    assert b.idle() and b.producer.rdv.num_claims == 0
+    b.register()  # its registration, overtaken by the cancel
+    assert b.got() == [] and b.writes() == [] and b.idle()
+
+
+def test_released_transfer_ids_are_bounded_and_expire(monkeypatch):
+    monkeypatch.setattr(producer_module, "MAX_RELEASED_TIDS", 3)
+    b = Bench()
+    b.release("a", "b", "c", "d")
+    assert list(b.producer.released_tids) == ["b", "c", "d"]  # the oldest went first
+    b.clock.advance(TTL / 2)
+    b.release("b")  # released again: remembered from now
+    b.clock.advance(TTL / 2 + 1)
+    b.p.step()
+    assert list(b.producer.released_tids) == ["b"]
+    b.clock.advance(TTL)
+    b.p.step()
+    assert not b.producer.released_tids
+    b.register(tid="d")  # forgotten: an ordinary early registration (it fails at the TTL)
+    assert b.got() == [] and b.p.count("registrations_early") == 1
 
 
 # -- time-outs -----------------------------------------------------------------------------------

@@ -247,6 +247,49 @@ def test_a_failed_prefill_pairs_like_a_source(rdv):
     assert rdv.add_source(f) == [Pairing(f, r)]
 
 
+# -- closed by the router's release ---------------------------------------------------------------
+
+
+def test_keys_of_a_transfer_follow_its_entries(rdv, clock):
+    assert rdv.keys_of("t1") == []
+    rdv.add_source(src("p-a", digest="A"))
+    rdv.add_registration(reg("d-b", digest="B"), TARGETS)
+    rdv.add_source(src("p-x", tid="t2"))
+    assert sorted(rdv.keys_of("t1")) == [("t1", "A"), ("t1", "B")]
+    assert rdv.keys_of("t2") == [("t2", "")]
+    rdv.remove_source("p-x")
+    assert rdv.keys_of("t2") == []
+    clock.advance(10.0)
+    rdv.expire()  # the waiting claim of B expires; A's source is marked expired
+    assert rdv.keys_of("t1") == [("t1", "A")]
+    rdv.remove_source("p-a")
+    assert rdv.keys_of("t1") == [] and len(rdv) == 0
+
+
+def test_a_closed_source_takes_no_more_claims_and_is_done_once_its_claims_are(rdv):
+    s = src(capacity=3)
+    rdv.add_source(s)
+    r = reg()
+    assert rdv.add_registration(r, TARGETS) == ([Pairing(s, r)], None)
+    assert rdv.close(("t1", "")) == [s]
+    assert rdv.close(("t1", "")) == []  # closed once
+    assert not rdv.source_done("p-a")  # its claim is not complete
+    late = reg("d-2")
+    assert rdv.add_registration(late, TARGETS) == ([], None)  # waits: no spare capacity
+    complete(rdv, r)
+    assert rdv.source_done("p-a")
+    assert [c.key for c in rdv.remove_source("p-a")] == [r.request]
+    assert rdv.claim(late.request).source is None  # still waiting (it expires at the TTL)
+
+
+def test_a_closed_source_without_claims_is_done_at_once(rdv):
+    rdv.add_source(src())
+    assert not rdv.source_done("p-a")
+    rdv.close(("t1", ""))
+    assert rdv.source_done("p-a")
+    assert rdv.close(("t-unknown", "")) == []
+
+
 def test_unknown_source_is_never_done(rdv):
     assert not rdv.source_done("nope")
 
