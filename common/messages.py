@@ -441,5 +441,18 @@ def peek_kind(data: bytes) -> str:
     return kind if isinstance(kind, str) else ""
 
 
+def unverified_challenge(data: bytes) -> Challenge | None:
+    """The ``Challenge`` a frame carries, without checking its MAC; None when it is none. For
+    the router only, when the producer's frames cannot be authenticated here (a secret on one
+    side, or two secrets): it still answers the nonce, so that the producer judges the Release
+    and counts why it refused it. A nonce is no secret, and nothing acts on it but that reply."""
+    try:
+        env = _env_decoder.decode(data)
+        msg = msgspec.msgpack.decode(env.body, type=Challenge)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return msg if len(msg.nonce) == NONCE_BYTES else None
+
+
 def geometry_digest(geometry: KVGeometry) -> str:
     return hashlib.sha256(_body_encoder.encode(geometry)).hexdigest()[:16]

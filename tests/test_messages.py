@@ -442,6 +442,15 @@ def test_invalid_release(ids):
         assert reason_of(Codec(secret), Codec(secret).encode(msg)) == "invalid"
 
 
+def test_unverified_challenge_reads_only_a_challenge():
+    c = Challenge(nonce=b"n" * 16)
+    assert M.unverified_challenge(Codec(b"key the router lacks").encode(c)) == c
+    assert M.unverified_challenge(Codec().encode(c)) == c
+    assert M.unverified_challenge(Codec().encode(Goodbye(engine_id="e", tp_rank=0))) is None
+    bad = envelope(PROTOCOL_VERSION, body_of(Challenge(nonce=b"short")))
+    assert M.unverified_challenge(bad) is None and M.unverified_challenge(b"\xc1") is None
+
+
 def test_peek_kind_names_the_claimed_type_without_trusting_it():
     """For labelling a rejection only: the tag a frame claims, authenticated or not."""
     msg = Release(transfer_ids=("t",))

@@ -31,19 +31,25 @@ from kv_push.common.messages import (
     Hello,
     MessageRejected,
     Refused,
+    Release,
+    ReleaseAck,
     Welcome,
 )
+from kv_push.common.config import PushConfig
 from kv_push.common.producer import Producer
 from kv_push.common.side_channel import (
     HandshakeError,
+    ReleaseFailed,
     SideChannelServer,
     handshake,
     recv_frame,
+    release,
     send_frame,
 )
+from kv_push.common.worker import PushWorker
 
 from conftest import free_port
-from fakes import FakeClock, InlineExecutor, Node, Wire, role_config
+from fakes import FakeClock, FakeTransport, InlineExecutor, Node, Wire, role_config
 
 WAIT = 10.0
 GEOM = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=2, head_size=8,
@@ -83,19 +89,28 @@ class Server:
     """A ``SideChannelServer`` on an ephemeral port that records what it was told."""
 
     def __init__(self, on_hello=None, *, secret: bytes | None = None, lifeline: bool = False,
-                 timeout: float = WAIT):
+                 timeout: float = WAIT, on_release=None, releases: bool = True):
         self.hellos: list[Hello] = []
         self.rejects: list[tuple[str, str]] = []
+        self.releases: list[Release] = []
+        self.release_rejects: list[tuple[str, str]] = []
         self.closed: queue.SimpleQueue = queue.SimpleQueue()
 
         def answer(hello: Hello) -> Welcome:
             self.hellos.append(hello)
             return WELCOME
 
+        def take(rel: Release) -> ReleaseAck:
+            self.releases.append(rel)
+            return ReleaseAck(accepted=len(rel.transfer_ids), side_channel_ports=(5600, 5601))
+
         self.srv = SideChannelServer(
             "127.0.0.1", 0, Codec(secret), on_hello or answer,
             on_reject=lambda reason, detail: self.rejects.append((reason, detail)),
-            timeout=timeout, on_closed=self.closed.put if lifeline else None).start()
+            timeout=timeout, on_closed=self.closed.put if lifeline else None,
+            on_release=(on_release or take) if releases else None,
+            on_release_reject=lambda reason, detail: self.release_rejects.append((reason, detail)),
+        ).start()
         self.port = self.srv.port
 
     def close(self) -> None:
@@ -411,3 +426,155 @@ def test_roles_handshake_over_the_side_channel_and_the_lifeline_reaches_the_deco
                                                     "producer P rank 0 is dead")
     assert d.thread.peer("P") is None and d.count("peers_dead") == 1
     decoder.close()
+
+
+# -- the router's release ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_a_release_is_answered_with_every_ranks_port(server, secret):
+    s = server(secret=secret)
+    ack = release("127.0.0.1", s.port, ("t1", "t2"), Codec(secret), WAIT)
+    assert ack == ReleaseAck(accepted=2, side_channel_ports=(5600, 5601))
+    (rel,) = s.releases
+    assert rel.transfer_ids == ("t1", "t2") and len(rel.reply_to) == NONCE_BYTES
+    assert s.rejects == s.release_rejects == [] and s.hellos == []
+
+
+@pytest.mark.parametrize("p_secret,r_secret,reason", [
+    (b"s3cret", None, "unauthenticated"),
+    (None, b"s3cret", "secret_mismatch"),
+    (b"s3cret", b"another", "bad_mac"),
+])
+def test_a_release_under_another_secret_is_refused_and_counted_as_a_release(
+        server, p_secret, r_secret, reason):
+    s = server(secret=p_secret)
+    with pytest.raises(ReleaseFailed) as e:
+        release("127.0.0.1", s.port, ("t1",), Codec(r_secret), WAIT)
+    assert e.value.kind == "refused"
+    # the router cannot authenticate P's challenge either, but answers it all the same: P
+    # judges the Release, counts it as a release, and the router says why from its side
+    assert [r for r, _ in s.release_rejects] == [reason]
+    assert s.rejects == [] and s.releases == []
+    assert "secret" in str(e.value) and e.value.reason in (
+        "unauthenticated", "secret_mismatch", "bad_mac")
+
+
+def _recorded_release(port: int, codec: Codec) -> tuple[bytes, object]:
+    """A Release sent on a raw connection that answers its challenge: (its frame, the reply)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT) as sock:
+        sock.settimeout(WAIT)
+        challenge_ = recv_frame(sock, codec)
+        frame = codec.encode(Release(transfer_ids=("t1",), reply_to=challenge_.nonce))
+        sock.sendall(struct.pack("!I", len(frame)) + frame)
+        return frame, recv_frame(sock, codec)
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_a_recorded_release_never_works_again(server, secret):
+    """The Release answers one connection's challenge; with a secret the MAC binds that nonce,
+    so a recorded frame (or one edited to answer a new challenge) is refused."""
+    s = server(secret=secret)
+    codec = Codec(secret)
+    frame, reply = _recorded_release(s.port, codec)
+    assert isinstance(reply, ReleaseAck) and len(s.releases) == 1
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as sock:
+        sock.settimeout(WAIT)
+        recv_frame(sock, codec)  # a new challenge, unanswered: replay the recorded frame
+        sock.sendall(struct.pack("!I", len(frame)) + frame)
+        reply = recv_frame(sock, codec)
+    assert isinstance(reply, Refused) and reply.reason.startswith("replayed")
+    assert len(s.releases) == 1 and [r for r, _ in s.release_rejects] == ["replayed"]
+    if secret:  # nor can the recorded body be re-pointed at a new nonce without the key
+        from kv_push.common.messages import Envelope, _body_encoder
+        import msgspec
+        env = msgspec.msgpack.decode(frame, type=Envelope)
+        with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as sock:
+            sock.settimeout(WAIT)
+            fresh = recv_frame(sock, codec).nonce
+            body = _body_encoder.encode(Release(transfer_ids=("t1",), reply_to=fresh))
+            forged = _body_encoder.encode(Envelope(env.version, body, env.mac, env.seq))
+            sock.sendall(struct.pack("!I", len(forged)) + forged)
+            reply = recv_frame(sock, codec)
+        assert isinstance(reply, Refused) and "bad_mac" in reply.reason
+        assert len(s.releases) == 1
+        assert [r for r, _ in s.release_rejects] == ["replayed", "bad_mac"]
+
+
+def test_a_side_channel_without_a_release_handler_refuses_one(server):
+    s = server(releases=False)
+    with pytest.raises(ReleaseFailed) as e:
+        release("127.0.0.1", s.port, ("t1",), Codec(), WAIT)
+    assert e.value.kind == "refused" and "unexpected" in str(e.value)
+
+
+def test_a_release_handler_that_raises_is_a_refusal_not_a_hang(server):
+    def broken(rel):
+        raise RuntimeError("transfer thread closed")
+
+    s = server(on_release=broken)
+    with pytest.raises(ReleaseFailed, match="transfer thread closed") as e:
+        release("127.0.0.1", s.port, ("t1",), Codec(), WAIT)
+    assert e.value.kind == "refused"
+    assert [r for r, _ in s.release_rejects] == ["internal_error"]
+
+
+def test_a_release_to_nobody_or_to_a_silent_listener_fails_within_its_bound(listener):
+    with pytest.raises(ReleaseFailed) as e:
+        release("127.0.0.1", free_port(), ("t1",), Codec(), WAIT)
+    assert e.value.kind == "connect"
+    held = in_thread(release, "127.0.0.1", listener.port, ("t1",), Codec(), 0.2)
+    conn = listener.accept()  # accepted, never challenged
+    kind, err = held.get(timeout=WAIT)
+    conn.close()
+    assert kind == "err" and isinstance(err, ReleaseFailed) and err.kind == "timeout"
+
+
+def test_a_release_answered_with_something_else_is_a_bad_reply(listener):
+    def serve() -> None:
+        conn = listener.accept()
+        with conn:
+            send_frame(conn, Codec(), Challenge(nonce=b"n" * NONCE_BYTES))
+            recv_frame(conn, Codec())
+            send_frame(conn, Codec(), WELCOME)
+
+    done_ = in_thread(serve)
+    with pytest.raises(ReleaseFailed) as e:
+        release("127.0.0.1", listener.port, ("t1",), Codec(), WAIT)
+    assert e.value.kind == "bad_reply"
+    assert done_.get(timeout=WAIT)[0] == "ok"
+
+
+# -- a producer worker's side channel hands the release to its transfer thread -------------------
+
+
+def _worker(wire: Wire, name: str, port: int, tp: int = 1, rank: int = 0,
+            secret: bytes = b"") -> PushWorker:
+    geometry = G.pooled(base=1 << 32, placement="kv_split", num_layers=2, num_kv_heads=2,
+                        head_size=8, dtype_bytes=2, dtype="bfloat16", block_size=4,
+                        num_blocks=8, tp_size=tp, tp_rank=rank)
+    return PushWorker(geometry=geometry, role="producer",
+                      config=PushConfig(side_channel_port=port, secret=secret),
+                      transport_factory=lambda: FakeTransport(wire, name)).start()
+
+
+def test_a_release_reaches_the_producer_worker_and_its_blocks_are_freed():
+    wire = Wire()
+    w = _worker(wire, "P", 0, secret=b"k")
+    try:
+        w.prefill_done("req-1", "t1", (0, 1), 8)
+        w.prefill_done("req-2", "t2", (2, 3), 8)
+        assert wait_until(lambda: w.live()["sources"] == 2)
+        host, port = w.side_channel_address
+        ack = release(host, port, ("t1",), Codec(b"k"), WAIT)
+        assert ack.accepted == 1 and ack.side_channel_ports == (port,)
+        freed: list[str] = []
+        assert wait_until(lambda: freed.extend(w.drain_released()) or freed == ["req-1"])
+        assert w.counters.get("released") == 1 and w.live()["sources"] == 1
+        with pytest.raises(ReleaseFailed):  # another key: refused, counted as a release
+            release(host, port, ("t2",), Codec(b"wrong"), WAIT)
+        assert w.counters.get("release_rejected", label="bad_mac") == 1
+        assert w.counters.get("rejected", label="bad_mac") == 0
+        assert w.live()["sources"] == 1 and w.drain_released() == []
+    finally:
+        w.close()
