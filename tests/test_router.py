@@ -6,26 +6,83 @@ import asyncio
 import contextlib
 import functools
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kv_push.common.messages import Codec, Release, ReleaseAck
 from kv_push.common.router.app import PULL_PREFILL_PARAMS, Router, build_app
 from kv_push.common.router.config import RouterConfig, parse_args, parse_prefill_spec
 from kv_push.common.router.pool import Backend, BackendPool
+from kv_push.common.side_channel import SideChannelServer
 
 try:
     from tests.fake_vllm import FakeVLLM, bind, free_port, serve_all
 except ModuleNotFoundError:  # rootdir-less import (tests/ has no __init__.py)
     from fake_vllm import FakeVLLM, bind, free_port, serve_all
 
-KV_BASE_PORT = 5600
+def _free_base(count: int = 3) -> int:
+    """A base port with ``count`` free ports after it (the fake producers' side channels)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65536:
+            continue
+        try:
+            for i in range(count):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no run of free ports")
+
+
+KV_BASE_PORT = _free_base()  # P i's side channel: KV_BASE_PORT + i (rank r of P 0: + r)
+
+
+class SideChannelRecorder:
+    """A producer's side channel as the router meets it: a real ``SideChannelServer`` that
+    records every ``Release`` it takes (transfer ids, in order) and answers with ``ports``.
+    ``gate`` (set by default) holds the answer while cleared: a P whose side channel hangs."""
+
+    def __init__(self, port: int, ports: tuple[int, ...] | None = None,
+                 secret: bytes | None = None) -> None:
+        self.port = port
+        self.ports = ports or (port,)
+        self.releases: list[str] = []
+        self.batches = 0
+        self.rejects: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.srv = SideChannelServer(
+            "127.0.0.1", port, Codec(secret), on_hello=self._no_hello,
+            on_reject=lambda reason, detail: self.rejects.append(reason), timeout=5.0,
+            on_release=self._take,
+            on_release_reject=lambda reason, detail: self.rejects.append(reason)).start()
+
+    @staticmethod
+    def _no_hello(hello):
+        raise RuntimeError("no decoders here")
+
+    def _take(self, rel: Release) -> ReleaseAck:
+        self.gate.wait(30)
+        self.releases.extend(rel.transfer_ids)
+        self.batches += 1
+        return ReleaseAck(accepted=len(rel.transfer_ids), side_channel_ports=self.ports)
+
+    def close(self) -> None:
+        self.gate.set()
+        self.srv.close()
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 16}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
         "max_completion_tokens": 16}
@@ -37,6 +94,7 @@ class Cluster:
     decodes: list[FakeVLLM]
     router: Router
     client: httpx.AsyncClient
+    side_channels: list[SideChannelRecorder] = field(default_factory=list)
 
     async def metrics(self) -> dict[tuple[str, tuple], float]:
         """Samples of /metrics as {(name, sorted label items): value}."""
@@ -47,8 +105,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: bool = False,
-                  prefill_opts: str = "") -> AsyncIterator[Cluster]:
-    """Fake P/D servers plus a router in front of them, all on loopback ports."""
+                  prefill_opts: str = "", p_tp: int = 1, side_channels: bool = True,
+                  release_timeout: float = 5.0) -> AsyncIterator[Cluster]:
+    """Fake P/D servers plus a router in front of them, all on loopback ports; with
+    ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder."""
     prefills = [FakeVLLM(f"p{i}", "prefill", kv_port=KV_BASE_PORT + i) for i in range(n_p)]
     decodes = [FakeVLLM(f"d{i}") for i in range(n_d)]
     p_socks = [bind() for _ in prefills]
@@ -59,13 +119,24 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
     config = RouterConfig(
         prefill=tuple(parse_prefill_spec(f"{url},kv=127.0.0.1:{KV_BASE_PORT + i}{prefill_opts}")
                       for i, (_, url) in enumerate(p_socks)),
-        decode=tuple(d_urls), mode=mode, timeout=10.0)
+        decode=tuple(d_urls), mode=mode, timeout=10.0, release_timeout=release_timeout)
     app = build_app(config)
     r_sock, r_url = bind()
     apps = [(f.app, sock) for f, (sock, _) in zip(prefills + decodes, p_socks + d_socks)]
-    async with serve_all(apps + [(app, r_sock)]):
-        async with httpx.AsyncClient(base_url=r_url, timeout=10) as client:
-            yield Cluster(prefills, decodes, app.state.router, client)
+    recorders: list[SideChannelRecorder] = []
+    try:
+        if side_channels:
+            if p_tp > 1:
+                ports = tuple(KV_BASE_PORT + r for r in range(p_tp))
+                recorders = [SideChannelRecorder(p, ports) for p in ports]
+            else:
+                recorders = [SideChannelRecorder(KV_BASE_PORT + i) for i in range(n_p)]
+        async with serve_all(apps + [(app, r_sock)]):
+            async with httpx.AsyncClient(base_url=r_url, timeout=10) as client:
+                yield Cluster(prefills, decodes, app.state.router, client, recorders)
+    finally:
+        for rec in recorders:
+            rec.close()
 
 
 async def eventually(pred: Callable[[], bool], what: str, timeout: float = 3.0) -> None:
@@ -191,6 +262,213 @@ async def test_push_late_prefill_failure_lets_decode_finish():
         await eventually(lambda: all_idle(c), "router to be idle")
         assert m[("kv_push_router_upstream_errors_total",
                   (("kind", "http_5xx"), ("leg", "prefill")))] == 1
+
+
+# -- push: releasing P's prefill of an exchange that ended without D's output -------------------
+
+
+async def _ended_without_output(c: Cluster, how: str) -> str:
+    """Run one exchange that ends before D produced output; returns its transfer id."""
+    (p,), (d,) = c.prefills, c.decodes
+    if how == "client_gone":  # the client hangs up while D has not answered yet
+        d.behavior.delay = 10.0
+        with pytest.raises(httpx.ReadTimeout):
+            await c.client.post("/v1/completions", json=COMPLETION, timeout=0.3)
+        await eventually(lambda: bool(p.records), "P leg")
+        return p.records[-1].request_id
+    if how == "decode_error":
+        d.behavior.fail_status = 500
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500
+    elif how == "decode_error_event":  # HTTP 200, then an error event before any output
+        d.behavior.stream_error = True
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
+        assert b'"error"' in r.content
+    elif how == "prefill_error":
+        p.behavior.fail_status, d.behavior.delay = 500, 10.0
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "prefill_error"
+    return r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("how", ["client_gone", "decode_error", "decode_error_event",
+                                 "prefill_error"])
+async def test_an_exchange_without_decode_output_releases_its_prefill(how: str):
+    async with cluster() as c:
+        (sc,) = c.side_channels
+        tid = await _ended_without_output(c, how)
+        assert len(tid) == 32
+        await eventually(lambda: sc.releases == [tid], "P to be told to release it")
+        await eventually(lambda: not c.router.releaser.busy(), "releaser idle")
+        m = await c.metrics()
+        assert m[("kv_push_router_releases_total", (("result", "sent"),))] == 1
+        assert sc.rejects == []
+
+
+async def test_an_exchange_with_decode_output_releases_nothing():
+    """D produced output: its engine has the request (its connector registers or cancels), so
+    the router leaves P alone -- for a complete response and for a client that hangs up after
+    D's first byte. A later failed exchange is released, and alone (the queue is in order)."""
+    async with cluster() as c:
+        (sc,), (d,) = c.side_channels, c.decodes
+        status, _, _ = await post(c, "/v1/completions", COMPLETION)
+        assert status == 200
+        status, _, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200
+        d.behavior.n_chunks, d.behavior.chunk_interval = 200, 0.05
+        async with c.client.stream("POST", "/v1/completions",
+                                   json=dict(COMPLETION, stream=True)) as r:
+            async for _ in r.aiter_bytes():
+                break  # gone after D's first byte
+        await eventually(lambda: all_idle(c), "router to be idle")
+        d.behavior.n_chunks, d.behavior.chunk_interval = 3, 0.0
+        tid = await _ended_without_output(c, "decode_error")
+        await eventually(lambda: bool(sc.releases), "the failed exchange's release")
+        assert sc.releases == [tid]
+
+
+async def test_a_release_never_delays_the_response():
+    """P's side channel holds its answer: the client still gets D's failure at once, and the
+    release reaches P afterwards."""
+    async with cluster() as c:
+        (sc,) = c.side_channels
+        sc.gate.clear()
+        tid = await _ended_without_output(c, "decode_error")  # answered while P is held
+        assert sc.releases == [] and c.router.releaser.busy()
+        status, _, _ = await post(c, "/v1/completions", COMPLETION)  # and serving goes on
+        assert status == 500  # (D still fails)
+        sc.gate.set()
+        await eventually(lambda: len(sc.releases) == 2, "the releases, once P answers")
+        assert sc.releases[0] == tid
+
+
+async def test_a_prefill_side_channel_down_or_hung_is_counted_not_fatal():
+    async with cluster(side_channels=False, release_timeout=0.3) as c:
+        (p,), (d,) = c.prefills, c.decodes
+        await _ended_without_output(c, "decode_error")  # nobody listens on P's side channel
+        await eventually(lambda: not c.router.releaser.busy(), "release given up")
+        hung = socket.create_server(("127.0.0.1", KV_BASE_PORT))  # accepts, never answers
+        try:
+            await _ended_without_output(c, "decode_error")
+            await eventually(lambda: not c.router.releaser.busy(), "release timed out")
+        finally:
+            hung.close()
+        m = await c.metrics()
+        errors = lambda kind: m.get(  # noqa: E731
+            ("kv_push_router_release_errors_total", (("kind", kind),)), 0)
+        assert errors("connect") == 1 and errors("timeout") == 1
+        assert m[("kv_push_router_releases_total", (("result", "failed"),))] == 2
+        d.behavior.fail_status = None
+        status, _, _ = await post(c, "/v1/completions", COMPLETION)  # the router serves on
+        assert status == 200
+
+
+async def test_a_release_reaches_every_rank_of_a_tensor_parallel_prefill():
+    """Rank 0 (the side channel the router knows) names every rank's port in its answer."""
+    async with cluster(p_tp=2) as c:
+        r0, r1 = c.side_channels
+        tid = await _ended_without_output(c, "decode_error")
+        await eventually(lambda: r0.releases == r1.releases == [tid], "both ranks told")
+        m = await c.metrics()
+        assert m[("kv_push_router_releases_total", (("result", "sent"),))] == 1
+
+
+async def test_a_storm_of_hang_ups_is_released_each_once():
+    async with cluster() as c:
+        (sc,), (d,) = c.side_channels, c.decodes
+        d.behavior.fail_status = 500
+        rs = await asyncio.gather(*(c.client.post("/v1/completions", json=COMPLETION)
+                                    for _ in range(30)))
+        tids = {r.headers["x-request-id"] for r in rs}
+        assert len(tids) == 30
+        await eventually(lambda: len(sc.releases) == 30, "every release")
+        assert set(sc.releases) == tids
+        print(f"\n30 releases in {sc.batches} Release frames")
+
+
+async def test_releases_carry_the_routers_secret(monkeypatch):
+    monkeypatch.setenv("KV_PUSH_SECRET", "router-secret")
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    async with cluster(side_channels=False) as c:
+        good = SideChannelRecorder(KV_BASE_PORT, secret=b"router-secret")
+        try:
+            tid = await _ended_without_output(c, "decode_error")
+            await eventually(lambda: good.releases == [tid], "an authenticated release")
+        finally:
+            good.close()
+        other = SideChannelRecorder(KV_BASE_PORT, secret=b"another-secret")
+        try:
+            await _ended_without_output(c, "decode_error")
+            await eventually(lambda: not c.router.releaser.busy(), "release refused")
+            assert other.releases == [] and other.rejects == ["bad_mac"]
+        finally:
+            other.close()
+        m = await c.metrics()
+        assert m[("kv_push_router_release_errors_total", (("kind", "refused"),))] == 1
+
+
+async def test_a_release_frees_the_prefill_on_every_real_producer_rank():
+    """Two producer workers (ranks 0 and 1 of one P at TP 2, each holding its copy of the
+    prefill) behind real side channels; the router's sender dials rank 0 only, as configured.
+    Both ranks free their copy, and only that one."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from kv_push.common import geometry as G
+    from kv_push.common.config import PushConfig
+    from kv_push.common.router.release import ReleaseSender
+    from kv_push.common.worker import PushWorker
+
+    try:
+        from tests.fakes import FakeTransport, Wire
+    except ModuleNotFoundError:
+        from fakes import FakeTransport, Wire
+
+    wire, base = Wire(), _free_base(2)
+    workers = []
+    try:
+        for rank in range(2):
+            geometry = G.pooled(base=1 << 32, placement="kv_split", num_layers=2,
+                                num_kv_heads=2, head_size=8, dtype_bytes=2, dtype="bfloat16",
+                                block_size=4, num_blocks=8, tp_size=2, tp_rank=rank)
+            workers.append(PushWorker(
+                geometry=geometry, role="producer",
+                config=PushConfig(side_channel_port=base, secret=b"k"),
+                transport_factory=lambda r=rank: FakeTransport(wire, f"P{r}")).start())
+        for w in workers:
+            w.prefill_done("req-1", "tid-1", (0, 1), 8)
+            w.prefill_done("req-2", "tid-2", (2, 3), 8)
+        await eventually(lambda: all(w.live()["sources"] == 2 for w in workers), "prefills")
+        reg = CollectorRegistry()
+        releases = Counter("r", "", ["result"], registry=reg)
+        errors = Counter("e", "", ["kind"], registry=reg)
+        sender = ReleaseSender(Codec(b"k"), 5.0, releases, errors)
+        sender.release("127.0.0.1", base, "tid-1")
+        freed: list[list[str]] = [[], []]
+
+        def drained() -> bool:
+            for i, w in enumerate(workers):
+                freed[i] += w.drain_released()
+            return freed == [["req-1"], ["req-1"]]
+
+        await eventually(drained, "both ranks to free req-1", timeout=10)
+        await eventually(lambda: not sender.busy(), "sender idle")
+        assert reg.get_sample_value("r_total", {"result": "sent"}) == 1
+        assert all(w.counters.get("released") == 1 for w in workers)
+        assert all(w.live()["sources"] == 1 for w in workers)  # tid-2 is still held
+        await sender.close()
+    finally:
+        for w in workers:
+            w.close()
+
+
+async def test_only_push_mode_releases():
+    async with cluster(mode="pull") as c:
+        (sc,), (p,), (d,) = c.side_channels, c.prefills, c.decodes
+        d.behavior.fail_status = 500
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert not c.router.releaser.busy() and sc.releases == []
 
 
 # -- pull and upstream-push modes --------------------------------------------------------------
