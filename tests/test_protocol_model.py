@@ -8,6 +8,9 @@ What the scheduler may do at each step (weighted at random):
   and/or ``n > 1`` (several engine requests on each side, identical prompts included, with or
   without ``fanout``); P finishes or fails prefills; D schedules (with a partial or full local
   prefix hit), aborts before or after scheduling, or re-allocates (a new attempt);
+* the router releases a transfer id (``Release``: its exchange ended without decode output) --
+  at any moment, even while D still registers, writes or receives it (a superset of when the
+  router does it), reaching each P rank or not (a rank it never reaches frees at the TTL);
 * the network: every notification (control messages, heartbeats, WRITE notices) is held and
   delivered later in any order, within ``MAX_DELAY_S``; control messages may be lost (each one
   at most ``MAX_LOSSES`` times: the decoder re-sends its cancels) or duplicated;
@@ -41,6 +44,7 @@ network, well past every time-out):
    and frees every source exactly once;
 4. a WRITE handle is never released while in flight;
 5. nothing is held at quiescence: sources, jobs, claims, rendezvous entries, orphan handles,
+   transfer ids the router released (they expire),
    tombstones on P; wants and parked outcomes on D; every D block free.
 
 Default: ``RUNS`` seeded runs (``KV_PUSH_MODEL_RUNS`` raises it, ``KV_PUSH_MODEL_SEED`` picks the
@@ -261,6 +265,8 @@ class Model:
         self.mute_for = rng.uniform(25, 45)
         self.kill_p = rng.random() < 0.08
         self.kill_d = rng.random() < 0.05
+        self.router_released: set[str] = set()
+        self.releases_on = rng.random() < 0.5  # half the runs: the router releases transfers
         self._make_clients()
 
     # -- setup -------------------------------------------------------------------------------
@@ -574,8 +580,23 @@ class Model:
         for key in [k for k in self.lifelines if (k[1] if w.side == "P" else k[0]) == w.rank]:
             self._close_lifeline(key, f"{w.name} died")
 
+    def router_release(self, tid: str) -> None:
+        """The router's Release of ``tid``: to each live P rank, or lost on the way to it."""
+        self.router_released.add(tid)
+        told = []
+        for w in self.P:
+            if w.dead or self.rng.random() < 0.15:
+                continue
+            prod = self.producers[w.rank]
+            w.thread.submit(lambda p=prod: p.release((tid,)))
+            told.append(w.name)
+        self.note(f"router releases {tid} on {told}")
+
     def pending_engine(self) -> list[Callable[[], None]]:
         out = []
+        for tid in sorted({d.tid for d in self.dreqs} - self.router_released):
+            if self.releases_on and self.rng.random() < 0.2:
+                out.append(lambda tid=tid: self.router_release(tid))
         for p in self.preqs:
             if p.state == "new":
                 out.append(lambda p=p: self.p_event(p))
@@ -682,9 +703,11 @@ class Model:
                 continue
             prod = self.producers[w.rank]
             held = {k: v for k, v in prod.live().items() if v}
-            if held or prod.orphans or prod.tombstones or prod.answered or prod.readers:
+            if (held or prod.orphans or prod.tombstones or prod.answered or prod.readers
+                    or prod.released_tids):
                 self.fail(f"P{w.rank} holds {held}, orphans {prod.orphans}, tombstones "
-                          f"{prod.tombstones}, answered {list(prod.answered)}")
+                          f"{prod.tombstones}, answered {list(prod.answered)}, released "
+                          f"{list(prod.released_tids)}")
         if not any(w.dead for w in self.P):
             for p in self.preqs:
                 if p.state == "prefilled":
@@ -766,5 +789,11 @@ def test_the_model_sees_the_hazards_it_is_built_for():
             seen[what] = seen.get(what, 0) + text.count(what)
         shared = {d.tid for d in m.dreqs}
         seen["shared tid"] = seen.get("shared tid", 0) + (len(m.dreqs) > len(shared))
+        seen["router releases"] = seen.get("router releases", 0) + text.count("router releases")
+        for key, counter, label in (
+                ("freed by a release", "released", None),
+                ("deferred by a release", "release_deferred", None),
+                ("registration after a release", "stale", "registration_after_router_release")):
+            seen[key] = seen.get(key, 0) + sum(w.counters.get(counter, label=label) for w in m.P)
     print("\n" + ", ".join(f"{k}: {v}" for k, v in seen.items()))
     assert all(v > 0 for v in seen.values()), seen
