@@ -8,6 +8,11 @@
 * ``TestKillMidStream`` -- kill -9 of P, then of D, with streams in flight: every request ends
   (served, or failed with an error), none hangs; the survivor holds no request and no KV block,
   and keeps serving.
+* ``TestReleaseOnHangUp`` -- the router's ``Release`` (P's ``rendezvous_ttl_s`` 120 s here): a
+  storm of clients that hang up before D's first byte -- through a decode "server" that accepts
+  and never answers (D's engine never sees any request, so only the router can make P let go),
+  then through a real D with early hang-ups -- leaves P (and D) with no KV block in use within
+  seconds, before the TTL could have freed anything, each prefill freed by a release.
 * ``TestTensorParallel2`` -- P and D both at TP 2 (vLLM's CPU build runs TP over gloo): outputs
   identical to a single server at TP 2. Needs 4 cores: skipped on fewer (``KV_PUSH_E2E_TP2=1``
   runs it anyway). On this 2-core box it fits in memory (4.8 + 4.8 GiB resident for P and D)
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,12 +47,12 @@ from kv_push.common.worker import STATE_LOG_ENV
 try:
     from conftest import free_port_pair
     from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
-                             assert_idle, complete, heavy_venvs, make_prompts, signature,
+                             assert_idle, busy, complete, heavy_venvs, make_prompts, signature,
                              tiny_model_path)
 except ModuleNotFoundError:  # imported as a package module
     from tests.conftest import free_port_pair
     from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
-                                   assert_idle, complete, heavy_venvs, make_prompts,
+                                   assert_idle, busy, complete, heavy_venvs, make_prompts,
                                    signature, tiny_model_path)
 
 pytestmark = pytest.mark.e2e
@@ -289,6 +295,126 @@ class TestKillMidStream:
         prompt = prompts[5]  # P keeps serving (alone: nothing to push to)
         got = complete(p2.url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
         assert signature(got) == env["reference"][prompt]
+
+
+# -- the router's release ----------------------------------------------------------------------
+
+
+#: P's rendezvous_ttl_s in TestReleaseOnHangUp: what would free an unclaimed prefill without a
+#: release (the default)
+RELEASE_TTL = 120
+
+
+def _p_counters(p: Server) -> dict[str, float]:
+    return {"released": metric(p.url, "vllm:kv_push_released_total"),
+            "deferred": metric(p.url, "vllm:kv_push_release_deferred_total"),
+            "expired": metric(p.url, "vllm:kv_push_expired_total"),
+            "after_release": metric(p.url, "vllm:kv_push_stale_total",
+                                    reason="registration_after_router_release"),
+            "rejected": metric(p.url, "vllm:kv_push_release_rejected_total")}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+class TestReleaseOnHangUp:
+    @pytest.fixture(scope="class")
+    def rel(self, env, prompts):
+        servers = []
+        # a decode "server" that accepts connections (the kernel does) and never answers: the
+        # router's D leg waits, and no decode engine ever sees the request
+        hole = socket.create_server(("127.0.0.1", 0), backlog=128)
+        try:
+            p, kv = producer(env, "prefill-release", extra_config={"rendezvous_ttl_s": RELEASE_TTL})
+            d = decoder(env, "decode-release")
+            servers += [p, d]
+            up(servers)
+            servers.append(r := front(env, "router-release", p, kv, d))
+            servers.append(r_hole := router(
+                python=env["python"], port=free_port(), prefill=[(p.url, kv)],
+                decode=[f"http://127.0.0.1:{hole.getsockname()[1]}"], log_dir=env["logs"],
+                name="router-hole"))
+            r_hole.wait_healthy(60)
+            complete(r.url, prompts[2])  # warm: first steps and the handshake
+            assert_idle([p, d], within=IDLE_BOUND)
+            yield {"p": p, "d": d, "r": r, "r_hole": r_hole}
+        finally:
+            stop(servers)
+            hole.close()
+
+    def test_hang_ups_that_decode_never_saw_free_p_at_once(self, rel, prompts, figures):
+        """Every client hangs up after P finished its prefill and before D said anything (D's
+        engine never sees a request): P holds each prompt's KV, which nothing but the router's
+        Release frees before the TTL."""
+        p, url, n = rel["p"], rel["r_hole"].url, 12
+        before = _p_counters(p)
+        done0 = metric(p.url, "vllm:request_success_total")
+
+        async def storm() -> tuple[float, float, float]:
+            async with httpx.AsyncClient(timeout=4 * REQUEST_BOUND_S) as client:
+                tasks = [asyncio.ensure_future(client.post(
+                    f"{url}/v1/completions",
+                    json=body(prompts[i % NUM_PROMPTS] + f" hole {i}", max_tokens=16)))
+                    for i in range(n)]
+                deadline = time.monotonic() + REQUEST_BOUND_S
+                while metric(p.url, "vllm:request_success_total") - done0 < n:
+                    assert time.monotonic() < deadline, "P did not finish the prefills"
+                    assert not any(t.done() for t in tasks), [t.result() for t in tasks
+                                                              if t.done()]
+                    await asyncio.sleep(0.2)
+                t_prefilled = time.monotonic()  # every prefill reported by now (or just after)
+                held = busy(p)["kv_usage"]
+                for t in tasks:  # the clients hang up
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                return t_prefilled, time.monotonic(), held
+
+        t_prefilled, t_hangup, held = asyncio.run(storm())
+        waited = assert_idle([p], within=RELEASE_TTL / 2)
+        t_idle = time.monotonic()
+        got = _delta(_p_counters(p), before)
+        figures("e2e faults", f"release: {n} hang-ups before D's first byte (D never sees "
+                f"them): P's KV usage held / after", f"{held:.4f} -> 0",
+                f"idle {waited:.1f} s after the hang-ups; TTL {RELEASE_TTL} s; {got}")
+        assert held > 0, "P held no KV for the prefills (the test proves nothing)"
+        # P let go before the TTL could have freed a single one of them, and by the release
+        assert t_idle - t_prefilled < RELEASE_TTL, (t_idle - t_prefilled, got)
+        assert got["released"] >= n and got["expired"] == 0, got
+        assert got["rejected"] == 0, got
+
+    def test_early_hang_up_storm_through_a_real_decoder_frees_both_before_the_ttl(
+            self, rel, prompts, env, figures):
+        """Clients hang up 20 ms to 0.5 s into their requests: some before P finished, some
+        before D's engine saw the request, some while D registered or received. Both servers
+        are idle long before P's TTL."""
+        p, d, url = rel["p"], rel["d"], rel["r"].url
+        before = _p_counters(p)
+        t0 = time.monotonic()
+
+        async def hang_up(prompt: str, after: float) -> None:
+            async with httpx.AsyncClient(timeout=60) as client:
+                try:
+                    await asyncio.wait_for(client.post(f"{url}/v1/completions", json={
+                        "model": "tiny", "prompt": prompt, "max_tokens": 64,
+                        "temperature": 0}), timeout=after)
+                except asyncio.TimeoutError:
+                    pass
+
+        async def storm() -> None:
+            await asyncio.gather(*(hang_up(prompts[i % NUM_PROMPTS] + f" storm {i}",
+                                           0.02 + 0.03 * i) for i in range(16)))
+
+        asyncio.run(storm())
+        waited = assert_idle([p, d], within=RELEASE_TTL / 2)
+        got = _delta(_p_counters(p), before)
+        figures("e2e faults", "release: early hang-up storm through a real D (16 requests): "
+                "P and D idle after", f"{waited:.1f} s", f"TTL {RELEASE_TTL} s; {got}")
+        assert time.monotonic() - t0 < RELEASE_TTL, got  # before any prefill could expire
+        assert got["expired"] == 0 and got["rejected"] == 0, got
+        prompt = prompts[5]  # and the pair still serves correctly
+        choice = complete(url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
+        assert signature(choice) == env["reference"][prompt]
 
 
 # -- TP 2 --------------------------------------------------------------------------------------
