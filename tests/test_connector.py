@@ -323,6 +323,8 @@ def test_scheduler_half_counts_bad_params_into_vllm_stats_and_metrics():
                                                  "reason": "bad_transfer_params"}) == 1
     assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": "unknown_peer"}) == 1
     assert value("vllm:kv_push_transfers_done_total", {"engine": "0", "reason": ""}) == 2
+    # the total is not exported again beside its reasons (a sum() would count it twice)
+    assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": ""}) is None
 
 
 def test_connector_rejects_bad_extra_config_at_start_up():
