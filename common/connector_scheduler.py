@@ -117,13 +117,14 @@ class TransferParams:
                                       f"got {fanout!r}")
         params = cls(tid, decode, prefill, host or "", int(port or 0), fanout)
         if secret:
-            # the signature covers what makes a server dial or hold blocks (not ``fanout``)
+            # the signature covers what makes a server dial or hold blocks (``fanout``: how
+            # many decoder requests a prefill's blocks wait for)
             try:
                 verify_transfer_params(
                     raw.get(SIG_KEY), secret, transfer_id=params.transfer_id,
                     do_remote_decode=decode, do_remote_prefill=prefill,
                     remote_host=params.remote_host, remote_port=params.remote_port,
-                    now=time.time() if now is None else now)
+                    fanout=params.fanout, now=time.time() if now is None else now)
             except ParamsSignatureError as e:
                 raise TransferParamsError(str(e), reason=e.reason) from None
         return params

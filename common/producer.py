@@ -497,6 +497,9 @@ class Producer:
     def busy(self) -> bool:
         return bool(self.jobs)
 
+    def writing_to(self, agent_name: str) -> bool:
+        return any(job.handles and job.reg.peer == agent_name for job in self.jobs.values())
+
     def on_peer_silent(self, peer: Peer) -> None:
         """``peer`` stopped heartbeating but is not proven dead: write nothing more to it, fail
         what it registered (it may come back and will then fence as usual), and poll its WRITEs

@@ -367,7 +367,7 @@ def signed(params, secret=SECRET, ttl=600.0, now=1000.0):
 
 
 def test_signed_params_parse_and_every_change_breaks_the_signature():
-    for raw in (signed(D_PARAMS), signed(P_PARAMS)):
+    for raw in (signed(D_PARAMS), signed(P_PARAMS), signed({**P_PARAMS, "fanout": 3})):
         assert TransferParams.parse(raw, SECRET, now=1001.0) is not None
         # without a secret the signature is not looked at
         assert TransferParams.parse(raw) == TransferParams.parse(raw, SECRET, now=1001.0)
@@ -376,6 +376,7 @@ def test_signed_params_parse_and_every_change_breaks_the_signature():
         dict(d, remote_host="attacker.example"),  # the SSRF this guards against
         dict(d, remote_port=6666),
         dict(d, transfer_id="t2"),
+        dict(signed(P_PARAMS), fanout=8),  # P's blocks would wait for 8 decoder requests
         dict(d, kv_push_sig=dict(d["kv_push_sig"], expires=d["kv_push_sig"]["expires"] + 9999)),
         signed(D_PARAMS, secret=b"another-secret"),
         # a producer leg's signature pasted onto decoder parameters

@@ -734,3 +734,27 @@ def test_close_releases_finished_handles_and_leaves_those_in_flight_to_the_trans
     b.p.thread.close()  # never started: closes roles and transport at once
     assert first.released and not second.released  # NIXL refuses to release one in flight
     assert b.p.transport.closed and b.producer.live()["jobs"] == 0
+
+
+def test_close_lets_writes_in_flight_finish_before_the_goodbye():
+    """A goodbye is proof of death to the decoder (it frees the blocks at once): it must come
+    after the chunks' completions, never while one may still land."""
+    b = Bench(max_post_regions=1)
+    b.register()
+    b.prefill()  # two chunks, one posted per step: the second still waits
+    b.p.thread.close(timeout=10)  # never started: drains, then closes at once
+    *dones, bye = b.got()
+    assert isinstance(bye, Goodbye) and len(dones) > 1
+    assert [(m.chunk, m.chunks) for m in dones] == [(i, len(dones)) for i in range(len(dones))]
+    assert b.p.transport.closed and b.producer.live()["jobs"] == 0
+
+
+def test_close_sends_no_goodbye_to_a_decoder_whose_write_is_still_in_flight(caplog):
+    b = Bench(max_post_regions=1)
+    b.p.transport.hold_writes = True
+    b.register()
+    b.prefill()
+    b.p.thread.close(timeout=0.2)  # the drain ends with the WRITE still in flight
+    assert not any(isinstance(m, Goodbye) for m in b.got())
+    assert "still in flight: no goodbye" in caplog.text
+    assert b.p.transport.closed
