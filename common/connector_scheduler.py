@@ -29,14 +29,13 @@ client chose, a producer never holds blocks a client asked it to.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
+from .messages import prompt_digest
 from .metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -57,15 +56,6 @@ class TransferParamsError(ValueError):
     def __init__(self, message: str, reason: str = "bad_transfer_params"):
         super().__init__(message)
         self.reason = reason
-
-
-def prompt_digest(token_ids: Any) -> str:
-    """A short digest of a prompt's token ids: what P and D both know one prompt by. ``""``
-    when the request has no token ids (prompt embeddings): such prompts of one transfer then
-    pool together."""
-    if token_ids is None:
-        return ""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,13 @@ def test_both_halves_name_a_prompt_by_the_same_digest():
     # tells the prompts apart and is the same on P and D
     assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3)) != prompt_digest([1, 2, 4])
     assert prompt_digest([]) != prompt_digest([0]) and prompt_digest(None) == ""
+    # whatever sequence type a vLLM version hands over, and pinned: the digest is wire format
+    # (a change needs a new PROMPT_DIGEST_SCHEME, which changes the compatibility hash)
+    import numpy as np
+    from array import array
+    for ids in ([1, 2, 3], (1, 2, 3), array("q", [1, 2, 3]), np.array([1, 2, 3])):
+        assert prompt_digest(ids) == "30b98dbe888358fb", type(ids)
+    assert prompt_digest([0, 2**40, 151000]) == "58c92a2be1a57f7f"
     p, d = producer(), decoder()
     prompts = {"a": list(range(100)), "b": list(range(1, 101))}
     for name, ids in prompts.items():
