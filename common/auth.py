@@ -96,18 +96,18 @@ class ParamsSignatureError(ValueError):
 
 
 def _params_mac(secret: bytes, *, transfer_id: str, do_remote_decode: bool,
-                do_remote_prefill: bool, remote_host: str, remote_port: int,
+                do_remote_prefill: bool, remote_host: str, remote_port: int, fanout: int,
                 expires: int) -> str:
     canonical = json.dumps(
         [_PARAMS_DOMAIN, transfer_id, bool(do_remote_decode), bool(do_remote_prefill),
-         remote_host, int(remote_port), int(expires)],
+         remote_host, int(remote_port), int(fanout), int(expires)],
         separators=(",", ":"), ensure_ascii=True)
     return hmac.new(secret, canonical.encode(), hashlib.sha256).hexdigest()
 
 
 def verify_transfer_params(sig: Any, secret: bytes, *, transfer_id: str, do_remote_decode: bool,
                            do_remote_prefill: bool, remote_host: str, remote_port: int,
-                           now: float) -> None:
+                           now: float, fanout: int = 1) -> None:
     """Check ``sig`` (the value under ``SIG_KEY``) against the parsed parameters. Raises
     ``ParamsSignatureError``; returns None when the signature is valid and unexpired."""
     if sig is None:
@@ -119,7 +119,7 @@ def verify_transfer_params(sig: Any, secret: bytes, *, transfer_id: str, do_remo
                                    f"{SIG_KEY} must be {{'expires': int, 'mac': hex}}")
     want = _params_mac(secret, transfer_id=transfer_id, do_remote_decode=do_remote_decode,
                        do_remote_prefill=do_remote_prefill, remote_host=remote_host,
-                       remote_port=remote_port, expires=sig["expires"])
+                       remote_port=remote_port, fanout=fanout, expires=sig["expires"])
     if not hmac.compare_digest(sig["mac"].encode(), want.encode()):
         raise ParamsSignatureError("bad_transfer_params_signature",
                                    "signature does not match (another secret, or parameters "
@@ -174,7 +174,8 @@ class TransferParamsSigner:
             do_remote_decode=bool(params.get("do_remote_decode")),
             do_remote_prefill=bool(params.get("do_remote_prefill")),
             remote_host=str(params.get("remote_host") or ""),
-            remote_port=int(params.get("remote_port") or 0), expires=expires)}
+            remote_port=int(params.get("remote_port") or 0),
+            fanout=int(params.get("fanout") or 1), expires=expires)}
         return out
 
 

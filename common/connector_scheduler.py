@@ -29,14 +29,13 @@ client chose, a producer never holds blocks a client asked it to.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
+from .messages import prompt_digest
 from .metrics import Counters
 
 logger = logging.getLogger(__name__)
@@ -57,15 +56,6 @@ class TransferParamsError(ValueError):
     def __init__(self, message: str, reason: str = "bad_transfer_params"):
         super().__init__(message)
         self.reason = reason
-
-
-def prompt_digest(token_ids: Any) -> str:
-    """A short digest of a prompt's token ids: what P and D both know one prompt by. ``""``
-    when the request has no token ids (prompt embeddings): such prompts of one transfer then
-    pool together."""
-    if token_ids is None:
-        return ""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -117,13 +107,14 @@ class TransferParams:
                                       f"got {fanout!r}")
         params = cls(tid, decode, prefill, host or "", int(port or 0), fanout)
         if secret:
-            # the signature covers what makes a server dial or hold blocks (not ``fanout``)
+            # the signature covers what makes a server dial or hold blocks (``fanout``: how
+            # many decoder requests a prefill's blocks wait for)
             try:
                 verify_transfer_params(
                     raw.get(SIG_KEY), secret, transfer_id=params.transfer_id,
                     do_remote_decode=decode, do_remote_prefill=prefill,
                     remote_host=params.remote_host, remote_port=params.remote_port,
-                    now=time.time() if now is None else now)
+                    fanout=params.fanout, now=time.time() if now is None else now)
             except ParamsSignatureError as e:
                 raise TransferParamsError(str(e), reason=e.reason) from None
         return params

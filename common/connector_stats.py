@@ -6,7 +6,8 @@ halves for ``get_kv_connector_stats`` (a snapshot, then reset): the workers' rid
 scheduler process with the step's output, vLLM adds the scheduler half's to them
 (``KVPushStats.aggregate``), and the API server calls ``KVPushPromMetrics.observe``, which adds
 the deltas to counters named ``vllm:kv_push_<counter>_total`` (labelled counters keep their label
-as ``reason``).
+as ``reason``). A counter counted by reason is exported by reason only: its series without a
+reason carries just what was counted without one, so ``sum()`` over a family never counts twice.
 """
 
 from __future__ import annotations
@@ -59,9 +60,16 @@ class KVPushPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine_labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
+        by_reason: dict[str, float] = {}  # per counter, what its labelled keys already carry
+        for key, value in transfer_stats_data.items():
+            name, label = _split(key)
+            if label is not None:
+                by_reason[name] = by_reason.get(name, 0.0) + value
         for key, value in transfer_stats_data.items():
             name, label = _split(key)
             metric = self._metrics.get(name)
-            if metric is None or value <= 0:
+            if label is None:  # Counters.snapshot gives the total beside the labelled keys
+                value -= by_reason.get(name, 0.0)
+            if metric is None or value <= 1e-9:
                 continue
             metric.labels(*engine_labels, label or "").inc(value)

@@ -56,6 +56,7 @@ listed blocks' K or V part on each side, within the written tokens and heads.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import NamedTuple, Sequence
 
@@ -63,7 +64,7 @@ import numpy as np
 
 from .geometry import GeometryError, KVGeometry, check_head_split, head_range, local_heads
 
-__all__ = ["WritePlan", "writer_ranks", "target_ranks", "plan_writes"]
+__all__ = ["WritePlan", "writer_ranks", "target_ranks", "plan_writes", "fragmentation"]
 
 _MAX_ADDR = 1 << 63  # addresses are computed in int64, then handed out as uint64
 
@@ -381,3 +382,27 @@ def _broadcast_and_merge(src: KVGeometry, dst: KVGeometry, s_off: np.ndarray, d_
         unmerged=int(s_all.shape[0]),
         head_sliced=bool(head_sliced),
     )
+
+
+def fragmentation(src: KVGeometry, dst: KVGeometry) -> float:
+    """How many times more WRITE descriptors the region path needs from ``src`` into ``dst`` than
+    between two equal layouts, per byte (blocks not merged, as with fragmented block ids).
+
+    1.0 when the layouts line up block for block; about ``block_size x heads`` when one side is
+    token-major (NHD) and the other head-major (HND), since every (token, head) vector is then a
+    region of its own. Measured on one run of ``lcm(block sizes)`` tokens (at least one block of
+    each side), with the writer rank of ``dst``'s first head, so it costs a few small plans."""
+    n = math.lcm(src.block_size, dst.block_size)
+    n = max(n, src.block_size, dst.block_size)
+    if n // src.block_size > src.num_blocks or n // dst.block_size > dst.num_blocks:
+        return 1.0  # too few blocks to tell (only in tiny test geometries)
+    writers = writer_ranks(src.num_kv_heads, src.tp_size, dst.tp_size, dst.tp_rank)
+    if src.tp_rank not in writers:
+        return 1.0
+    here = plan_writes(src, range(n // src.block_size), dst, range(n // dst.block_size),
+                       first_token=0, num_tokens=n)
+    alike = plan_writes(dst, range(n // dst.block_size), dst, range(n // dst.block_size),
+                        first_token=0, num_tokens=n)
+    if not here.unmerged or not alike.unmerged:
+        return 1.0
+    return (here.unmerged / here.total_bytes) / (alike.unmerged / alike.total_bytes)

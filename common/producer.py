@@ -61,7 +61,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .geometry import GeometryError
-from .layout import plan_writes, target_ranks
+from .layout import fragmentation, plan_writes, target_ranks
 from .messages import (
     COMPAT_HASH,
     Cancel,
@@ -91,6 +91,10 @@ logger = logging.getLogger(__name__)
 
 #: transfer ids released by the router that a producer remembers at most (the oldest go first)
 MAX_RELEASED_TIDS = 1 << 16
+
+#: descriptors per byte, against equal layouts, from which a handshake warns (NHD against HND
+#: at block 16 with 8 heads is ~128x; different block sizes alone stay near 1)
+FRAGMENTED = 16.0
 
 #: one attempt of one decoder rank of one decoder request
 JobKey = tuple[RequestKey, int, int]  # (request, decoder rank, attempt)
@@ -164,6 +168,7 @@ class Producer:
         # transfer ids the router released -> when (bounded: MAX_RELEASED_TIDS, rendezvous_ttl_s)
         self.released_tids: OrderedDict[str, float] = OrderedDict()
         self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
+        self._fragmentation_told: set[tuple[str, str]] = set()  # (engine, layout) warned about
         self._failures = itertools.count()
         self._next_sweep = 0.0  # time-outs are applied at most this often (not every step)
 
@@ -185,6 +190,8 @@ class Producer:
                           digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
         self.ctx.counters.inc("handshakes")
         stages = self.staged is not None and self.staged.accept(hello.agent_name, hello.staging)
+        if not stages:
+            self._warn_if_fragmented(hello)
         return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
                        agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
                        compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports,
@@ -555,8 +562,30 @@ class Producer:
                 break
             del self.released_tids[tid]
 
+    def _warn_if_fragmented(self, hello: Hello) -> None:
+        """Say once per decoder layout when the region path into it needs far more descriptors
+        than equal layouts would (NHD against HND: one per token and head): long prompts then
+        take seconds and may run past ``transfer_timeout_s``. Staging (CUDA) avoids it."""
+        key = (hello.engine_id, geometry_digest(hello.geometry))
+        if key in self._fragmentation_told:
+            return
+        self._fragmentation_told.add(key)
+        factor = fragmentation(self.ctx.geometry, hello.geometry)
+        if factor >= FRAGMENTED:
+            g, h = self.ctx.geometry, hello.geometry
+            logger.warning(
+                "kv_push: decoder %s's KV layout (%s, block %d, TP %d) needs %.0fx the WRITE "
+                "descriptors of equal layouts from this producer's (%s, block %d, TP %d), with "
+                "no staging between them: long prompts will transfer slowly and may exceed "
+                "transfer_timeout_s. Use the same KV layout on both sides, or staging (cuda).",
+                hello.engine_id, h.token_order, h.block_size, h.tp_size, factor,
+                g.token_order, g.block_size, g.tp_size)
+
     def busy(self) -> bool:
         return bool(self.jobs)
+
+    def writing_to(self, agent_name: str) -> bool:
+        return any(job.handles and job.reg.peer == agent_name for job in self.jobs.values())
 
     def on_peer_silent(self, peer: Peer) -> None:
         """``peer`` stopped heartbeating but is not proven dead: write nothing more to it, fail

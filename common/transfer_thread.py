@@ -22,8 +22,12 @@ Everything that touches the agent runs here; everything else only hands work in.
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
 
-``close()`` stops the loop, says goodbye to every peer, closes the roles and the transport, and
-joins the thread. Exceptions from a role's handler are logged with context and counted; they do
+``close()`` stops the loop, lets the WRITEs in flight finish (at most half the close time-out;
+their completions are sent as usual), says goodbye to every peer it is no longer writing to, closes
+the roles and the transport, and joins the thread. A peer still being written when the drain ends
+gets no goodbye: a goodbye is proof of death to it (it frees the blocks at once), while the WRITE
+may still land; it learns of the end from the lifeline instead, which closes with this process,
+after the transport's teardown. Exceptions from a role's handler are logged with context and counted; they do
 not kill the thread (the engine would hang without it), but they do fail the work concerned,
 which the role handles.
 
@@ -93,6 +97,10 @@ class Role(Protocol):
 
     def close(self) -> None:
         """The thread is stopping: release what the role holds in the transport."""
+
+    def writing_to(self, agent_name: str) -> bool:
+        """True while a WRITE of this role into ``agent_name``'s memory may be in flight (the
+        thread then sends that peer no goodbye at close). Optional: absent means never."""
 
 
 class RoleContext(Protocol):
@@ -205,6 +213,7 @@ class TransferThread:
         self._next_hb = 0.0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
+        self._drain_s = 0.0  # close(): how long WRITEs in flight may take to finish
         #: unsolicited messages (heartbeat, goodbye) wait until the peer has spoken
         self._hold_until_heard = bool(transport.first_call_waits_for_peer)
 
@@ -240,6 +249,7 @@ class TransferThread:
         if self._closed:
             return
         self._closed = True
+        self._drain_s = timeout / 2
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -436,9 +446,23 @@ class TransferThread:
             self.counters.inc("rejected", label="internal_error")
 
     def _shutdown(self) -> None:
+        deadline = time.monotonic() + self._drain_s
+        while time.monotonic() < deadline and any(role.busy() for role in self.roles):
+            try:
+                self.step()  # WRITE completions go out as in the loop
+            except Exception:
+                logger.exception("kv_push: transfer thread step failed while closing")
+                break
+            time.sleep(0)
         bye = Goodbye(engine_id=self.engine_id, tp_rank=self.tp_rank)
         for name, peer in list(self.peers.items()):
-            if self._may_call(peer):
+            writing = [role for role in self.roles
+                       if getattr(role, "writing_to", None) and role.writing_to(name)]
+            if writing:
+                logger.warning("kv_push: closing with a WRITE to %s (engine %s rank %d) still in "
+                               "flight: no goodbye (its lifeline ends with this process)",
+                               name, peer.engine_id, peer.tp_rank)
+            elif self._may_call(peer):
                 self.send(name, bye)
         # let the goodbyes leave: notifications only go out while the agent is polled
         deadline = time.monotonic() + 0.05

@@ -158,6 +158,13 @@ def test_both_halves_name_a_prompt_by_the_same_digest():
     # tells the prompts apart and is the same on P and D
     assert prompt_digest([1, 2, 3]) == prompt_digest((1, 2, 3)) != prompt_digest([1, 2, 4])
     assert prompt_digest([]) != prompt_digest([0]) and prompt_digest(None) == ""
+    # whatever sequence type a vLLM version hands over, and pinned: the digest is wire format
+    # (a change needs a new PROMPT_DIGEST_SCHEME, which changes the compatibility hash)
+    import numpy as np
+    from array import array
+    for ids in ([1, 2, 3], (1, 2, 3), array("q", [1, 2, 3]), np.array([1, 2, 3])):
+        assert prompt_digest(ids) == "30b98dbe888358fb", type(ids)
+    assert prompt_digest([0, 2**40, 151000]) == "58c92a2be1a57f7f"
     p, d = producer(), decoder()
     prompts = {"a": list(range(100)), "b": list(range(1, 101))}
     for name, ids in prompts.items():
@@ -323,6 +330,8 @@ def test_scheduler_half_counts_bad_params_into_vllm_stats_and_metrics():
                                                  "reason": "bad_transfer_params"}) == 1
     assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": "unknown_peer"}) == 1
     assert value("vllm:kv_push_transfers_done_total", {"engine": "0", "reason": ""}) == 2
+    # the total is not exported again beside its reasons (a sum() would count it twice)
+    assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": ""}) is None
 
 
 def test_connector_rejects_bad_extra_config_at_start_up():
@@ -365,7 +374,7 @@ def signed(params, secret=SECRET, ttl=600.0, now=1000.0):
 
 
 def test_signed_params_parse_and_every_change_breaks_the_signature():
-    for raw in (signed(D_PARAMS), signed(P_PARAMS)):
+    for raw in (signed(D_PARAMS), signed(P_PARAMS), signed({**P_PARAMS, "fanout": 3})):
         assert TransferParams.parse(raw, SECRET, now=1001.0) is not None
         # without a secret the signature is not looked at
         assert TransferParams.parse(raw) == TransferParams.parse(raw, SECRET, now=1001.0)
@@ -374,6 +383,7 @@ def test_signed_params_parse_and_every_change_breaks_the_signature():
         dict(d, remote_host="attacker.example"),  # the SSRF this guards against
         dict(d, remote_port=6666),
         dict(d, transfer_id="t2"),
+        dict(signed(P_PARAMS), fanout=8),  # P's blocks would wait for 8 decoder requests
         dict(d, kv_push_sig=dict(d["kv_push_sig"], expires=d["kv_push_sig"]["expires"] + 9999)),
         signed(D_PARAMS, secret=b"another-secret"),
         # a producer leg's signature pasted onto decoder parameters

@@ -580,3 +580,20 @@ def test_regions_never_cross_layers_even_when_memory_is_contiguous(placement) ->
     spans = 3 if placement != "kv_split" else 6
     assert plan.num_regions == spans == len(src.regions())
     assert_within_registered_regions(plan, src, dst)
+
+
+def test_fragmentation_tells_a_transposing_pair_from_a_matching_one() -> None:
+    from kv_push.common.layout import fragmentation
+
+    assert fragmentation(*pair()) == 1.0
+    assert fragmentation(*pair(src_place="blocks_first")) == 1.0
+    assert fragmentation(*pair(src_bs=32)) == 1.0  # a P block fills two D blocks whole
+    assert fragmentation(*pair(dst_bs=32)) == 2.0  # two P blocks per D block
+    # head-major blocks of another size: one region per head and P block
+    assert fragmentation(*pair(src_order="HND", dst_order="HND", dst_bs=32)) == 4 * 2
+    # NHD against HND: one region per (token, head) where equal layouts need one per block part
+    assert fragmentation(*pair(src_order="NHD", dst_order="HND")) == 16 * 4
+    assert fragmentation(*pair(src_order="HND", dst_order="NHD")) == 16 * 4
+    # a TP split out of token-major blocks: per-token head slices; head-major ones split whole
+    assert fragmentation(*pair(dst_tp=2)) == 16
+    assert fragmentation(*pair(src_order="HND", dst_order="HND", dst_tp=2)) == 1.0

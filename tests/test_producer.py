@@ -877,3 +877,48 @@ def test_close_releases_finished_handles_and_leaves_those_in_flight_to_the_trans
     b.p.thread.close()  # never started: closes roles and transport at once
     assert first.released and not second.released  # NIXL refuses to release one in flight
     assert b.p.transport.closed and b.producer.live()["jobs"] == 0
+
+
+def test_close_lets_writes_in_flight_finish_before_the_goodbye():
+    """A goodbye is proof of death to the decoder (it frees the blocks at once): it must come
+    after the chunks' completions, never while one may still land."""
+    b = Bench(max_post_regions=1)
+    b.register()
+    b.prefill()  # two chunks, one posted per step: the second still waits
+    b.p.thread.close(timeout=10)  # never started: drains, then closes at once
+    *dones, bye = b.got()
+    assert isinstance(bye, Goodbye) and len(dones) > 1
+    assert [(m.chunk, m.chunks) for m in dones] == [(i, len(dones)) for i in range(len(dones))]
+    assert b.p.transport.closed and b.producer.live()["jobs"] == 0
+
+
+def test_close_sends_no_goodbye_to_a_decoder_whose_write_is_still_in_flight(caplog):
+    b = Bench(max_post_regions=1)
+    b.p.transport.hold_writes = True
+    b.register()
+    b.prefill()
+    b.p.thread.close(timeout=0.2)  # the drain ends with the WRITE still in flight
+    assert not any(isinstance(m, Goodbye) for m in b.got())
+    assert "still in flight: no goodbye" in caplog.text
+    assert b.p.transport.closed
+
+
+def test_a_decoder_layout_that_fragments_every_write_is_told_once_at_the_handshake(
+        caplog, monkeypatch):
+    """NHD on P, HND on D, no staging: every (token, head) vector is a descriptor of its own.
+    The operator hears it at the first handshake, once per decoder layout, not per request."""
+    import kv_push.common.producer as producer_module
+
+    # this geometry's blocks hold 4 tokens of 2 heads: NHD against HND is 8x (16 x 8 in Qwen3)
+    monkeypatch.setattr(producer_module, "FRAGMENTED", 8.0)
+    b = Bench(connect=False)
+    b.hello = lambda rank, **kw: Hello(  # type: ignore[method-assign]
+        engine_id="D", agent_name=f"D{rank}", agent_metadata=f"meta:D{rank}".encode(),
+        geometry=d_geom(1, rank, token_order="HND"), compat_hash=COMPAT_HASH)
+    b.connect(0)
+    b.connect(0)  # the same rank again (a reconnect): not told twice
+    warned = [r for r in caplog.records if "WRITE descriptors" in r.getMessage()]
+    assert len(warned) == 1 and "HND" in warned[0].getMessage()
+    caplog.clear()
+    Bench()  # equal layouts: nothing to say
+    assert not [r for r in caplog.records if "WRITE descriptors" in r.getMessage()]
