@@ -67,7 +67,8 @@ def stack(request, tiny_model, prompts, tmp_path_factory, figures):
     # 2. P and D with the push connector, behind our router
     kv_port = free_port()
     # a short rendezvous time-out: a prefill whose decoder leg was cancelled before the decode
-    # server ever saw it is freed by expiry (the abort test waits for that)
+    # server ever saw it is freed by the router's release, else by expiry (the abort test waits
+    # for either; test_e2e_vllm_faults.py TestReleaseOnHangUp shows the release alone, TTL 120 s)
     p = vllm_server("prefill", python=python, model=str(tiny_model), port=free_port(), cpu=0,
                     log_dir=logs, kv_role="kv_producer", kv_port=kv_port,
                     extra_config={"rendezvous_ttl_s": RENDEZVOUS_TTL_S}, extra_env=STATE_LOG)
@@ -184,8 +185,8 @@ def test_client_disconnect_leaves_no_work_behind(stack, prompts, figures):
     """Abort storm through the router: clients hang up mid-request. Afterwards both servers
     hold nothing -- no running or waiting request, and no KV block in use (P's prefills waiting
     for a push and D's blocks fenced after an abort are held past their requests' end; a prefill
-    whose decode leg never reached D is freed by rendezvous expiry, so within the TTL) -- and
-    the pair still serves correctly."""
+    whose decode leg never reached D is freed by the router's release, at the latest by
+    rendezvous expiry, so within the TTL) -- and the pair still serves correctly."""
     url, p, d = stack["router"].url, stack["p"], stack["d"]
 
     async def hang_up(prompt, after):

@@ -833,10 +833,13 @@ async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
 
 
 def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
+    assert parse_args(["--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2",
+                       "--release-timeout", "1.5"])[0].release_timeout == 1.5
     cfg, _ = parse_args(["--prefill", "http://p:8100/,kv=10.0.0.1:5600", "--prefill",
                          "http://q:8100,kv=[::1]:5601", "--decode", "http://d:8200",
                          "--mode", "pull", "--timeout", "30"])
     assert cfg.mode == "pull" and cfg.timeout == 30 and cfg.port == 8000
+    assert cfg.release_timeout == 5.0
     assert cfg.host == "127.0.0.1" and cfg.decode == ("http://d:8200",)
     assert [(s.url, s.kv_host, s.kv_port) for s in cfg.prefill] == [
         ("http://p:8100", "10.0.0.1", 5600), ("http://q:8100", "::1", 5601)]
@@ -851,6 +854,8 @@ def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
         ("--prefill", "http://p:1,kv=h:2"): "--decode",
         ("--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2", "--mode", "x"): "--mode",
         ("--prefill", "http://p:1,kv=h:2", "--decode", "http://p:1"): "more than once",
+        ("--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2", "--release-timeout", "0"):
+            "--release-timeout",
     }
     for argv, needle in bad.items():
         with pytest.raises(SystemExit) as exc_info:
