@@ -60,7 +60,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
                                             is_decoder=self.kv_role in ("decoder", "both"),
                                             block_size=block_size, counters=Counters(),
-                                            secret=self.push_config.secret)
+                                            secret=self.push_config.secret,
+                                            random_suffix=compat.request_id_random_suffix())
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 

@@ -10,6 +10,8 @@ Supported: vLLM 0.29 and 0.32 (tested end to end here with the CPU build), and t
   ``get_block_ids_with_load_errors``.
 * ``has_pending_push_work``: keeps the producer's engine loop stepping while blocks wait for
   their WRITEs; where absent, vLLM keeps stepping while requests hold delayed-free blocks.
+* Engine request ids: 0.32 appends ``-<8 hex>`` to each (``request_id_random_suffix``), which
+  the upstream request form's transfer id must leave out.
 """
 
 from __future__ import annotations
@@ -104,3 +106,15 @@ def finished_ok(request: Any) -> bool:
     from vllm.v1.request import RequestStatus  # noqa: PLC0415
 
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def request_id_random_suffix() -> bool:
+    """Whether this vLLM appends ``-<8 random hex digits>`` to every engine request id (0.32:
+    ``InputProcessor.assign_request_id``, introduced together with the environment variable
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` that turns it off; 0.29 has neither)."""
+    from vllm import envs  # noqa: PLC0415
+
+    name = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+    if name not in getattr(envs, "environment_variables", {}):
+        return False
+    return not envs.environment_variables[name]()
