@@ -82,14 +82,14 @@ def prompt_digest(token_ids: Any) -> str:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
 
 
-#: vLLM's engine request ids, by endpoint, before any random suffix (vLLM 0.29 and 0.32):
+#: vLLM's engine request ids, by endpoint, before the random suffix (the same in 0.29 and 0.32):
 #: completions ``cmpl-{X-Request-Id}-{prompt index}``, chat ``chatcmpl-{X-Request-Id}`` (with
 #: ``_{i}`` appended when one chat request makes several engine requests: kept, both legs make
 #: the same), and ``{sample}_`` in front for each sample of ``n > 1``
 _COMPLETION_ID = re.compile(r"cmpl-(.*)-\d+", re.DOTALL)
 _CHAT_ID = re.compile(r"chatcmpl-(.*)", re.DOTALL)
 _SAMPLE_PREFIX = re.compile(r"\d+_(?=(?:chat)?cmpl-)")
-#: what vLLM 0.32 appends to every engine request id (``-{random_uuid():.8}``)
+#: what vLLM 0.29 and 0.32 append to every engine request id (``-{random_uuid():.8}``)
 _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}")
 RANDOM_SUFFIX_CHARS = 9
 
@@ -97,8 +97,10 @@ RANDOM_SUFFIX_CHARS = 9
 def upstream_transfer_id(request_id: str, *, random_suffix: bool) -> str:
     """The transfer id of an upstream-form request: the client's ``X-Request-Id`` as recovered
     from the engine request id ``request_id``. ``random_suffix``: this vLLM appended its
-    ``-<8 hex>`` to the id (``vllm_compat.REQUEST_ID_RANDOM_SUFFIX``); only then is one cut off,
-    so an ``X-Request-Id`` that itself ends in 8 hex digits survives on a vLLM that does not.
+    ``-<8 hex>`` to the id (``vllm_compat.request_id_random_suffix``); only then is one cut
+    off, so an ``X-Request-Id`` that itself ends in 8 hex digits survives where it does not
+    (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``, older vLLM), and P and D agree even when only
+    one of them suffixes.
 
     P and D derive the same id for their legs of one client request when both legs carried the
     same ``X-Request-Id`` to the same endpoint; the engine requests of a prompt list or of
@@ -272,7 +274,7 @@ class PushScheduler:
     ``counters``: where it counts what it rejects (``rejected{bad_transfer_params}``); a fresh
     ``Counters`` when not given. The connector hands their snapshot to vLLM's stats each step.
     ``random_suffix``: this vLLM appends a random suffix to engine request ids (read by
-    ``upstream_transfer_id``; ``vllm_compat.REQUEST_ID_RANDOM_SUFFIX``).
+    ``upstream_transfer_id``; ``vllm_compat.request_id_random_suffix``).
     """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,

@@ -10,8 +10,9 @@ Supported: vLLM 0.29 and 0.32 (tested end to end here with the CPU build), and t
   ``get_block_ids_with_load_errors``.
 * ``has_pending_push_work``: keeps the producer's engine loop stepping while blocks wait for
   their WRITEs; where absent, vLLM keeps stepping while requests hold delayed-free blocks.
-* Engine request ids: 0.32 appends ``-<8 hex>`` to each (``request_id_random_suffix``), which
-  the upstream request form's transfer id must leave out.
+* Engine request ids: 0.29 and 0.32 append ``-<8 hex>`` to each unless
+  ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set (``request_id_random_suffix``); the upstream
+  request form's transfer id must leave it out.
 """
 
 from __future__ import annotations
@@ -109,9 +110,10 @@ def finished_ok(request: Any) -> bool:
 
 
 def request_id_random_suffix() -> bool:
-    """Whether this vLLM appends ``-<8 random hex digits>`` to every engine request id (0.32:
-    ``InputProcessor.assign_request_id``, introduced together with the environment variable
-    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` that turns it off; 0.29 has neither)."""
+    """Whether this vLLM appends ``-<8 random hex digits>`` to every engine request id
+    (``InputProcessor.assign_request_id`` in 0.29 and 0.32, which came with the environment
+    variable ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` that turns it off: a vLLM without that
+    variable appends nothing). The engine core inherits the API server's environment."""
     from vllm import envs  # noqa: PLC0415
 
     name = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"

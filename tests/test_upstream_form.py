@@ -2,10 +2,12 @@
 (no transfer id of ours), both legs sent at once under one ``X-Request-Id``.
 
 The transfer id is derived from each engine request's id; these tests feed the id shapes that
-the vLLM versions we pin give one client request (read from their sources: completions
-``cmpl-{X}-{prompt index}``, chat ``chatcmpl-{X}``, ``{sample}_`` in front for ``n > 1``, and
-on 0.32 a random ``-<8 hex>`` at the end) and check that P's and D's legs meet in the
-rendezvous, each decoder request with the prefill of its own prompt.
+the vLLM versions we pin give one client request (read from their sources, the same in 0.29 and
+0.32: completions ``cmpl-{X}-{prompt index}``, chat ``chatcmpl-{X}`` (``_{i}`` appended when
+one chat request makes several engine requests), ``{sample}_`` in front for ``n > 1``, and a
+random ``-<8 hex>`` at the end unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``) and check
+that P's and D's legs meet in the rendezvous, each decoder request with the prefill of its own
+prompt.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def req(rid, params, prompt=None, computed=0):
 
 # -- the transfer id from the engine request id --------------------------------------------------
 
-# (engine request id on 0.32, on 0.29) -> X-Request-Id; 0.32 appends "-<8 hex>" to every id
+# (engine request id as vLLM 0.29 and 0.32 make it, with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1)
+# -> X-Request-Id; both versions append "-<8 hex>" to every id unless that variable is set
 SHAPES = [
     (("cmpl-abc-0-1f2e3d4c", "cmpl-abc-0"), "abc"),  # completions, one prompt
     (("cmpl-abc-1-0a0b0c0d", "cmpl-abc-1"), "abc"),  # second prompt of a list
@@ -64,10 +67,10 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("ids, want", SHAPES, ids=[s[1] + "/" + s[0][1] for s in SHAPES])
-@pytest.mark.parametrize("version", ["0.32", "0.29"])
-def test_both_vllm_versions_request_ids_give_the_clients_request_id(ids, want, version):
-    rid = ids[0] if version == "0.32" else ids[1]
-    assert upstream_transfer_id(rid, random_suffix=version == "0.32") == want
+@pytest.mark.parametrize("suffixed", [True, False], ids=["suffixed", "randomization-off"])
+def test_the_pinned_vllm_request_ids_give_the_clients_request_id(ids, want, suffixed):
+    rid = ids[0] if suffixed else ids[1]
+    assert upstream_transfer_id(rid, random_suffix=suffixed) == want
 
 
 def test_p_and_d_derive_one_transfer_id_from_differently_suffixed_ids():
@@ -75,7 +78,7 @@ def test_p_and_d_derive_one_transfer_id_from_differently_suffixed_ids():
     p = upstream_transfer_id("cmpl-x-0-aaaaaaaa", random_suffix=True)
     d = upstream_transfer_id("cmpl-x-0-bbbbbbbb", random_suffix=True)
     assert p == d == "x"
-    # and a P on a vLLM without the suffix meets a D on one with it
+    # and a P with randomization off meets a D with it on
     assert upstream_transfer_id("cmpl-x-0", random_suffix=False) == d
 
 
@@ -248,15 +251,19 @@ def test_the_connector_reads_whether_this_vllm_suffixes_request_ids(monkeypatch)
     ktc = SimpleNamespace(kv_connector_extra_config={}, kv_role="kv_consumer", engine_id="e",
                           is_kv_producer=False)
     config = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16))
+    blocks = SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: [list(range(7))],
+                             get_unhashed_block_ids=lambda: list(range(7)))
+
+    def transfer_id(rid):
+        c = KVPushConnector(config, KVConnectorRole.SCHEDULER, None)
+        assert c.get_num_new_matched_tokens(req(rid, UP_D), 0) == (100, True)
+        c.update_state_after_alloc(req(rid, UP_D), blocks, 100)
+        (e,) = c.build_connector_meta(None).plan.expects
+        return e.transfer_id
+
     monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
-    expected = vllm_compat.request_id_random_suffix()
-    c = KVPushConnector(config, KVConnectorRole.SCHEDULER, None)
-    rid = "cmpl-xr-0-0a1b2c3d" if expected else "cmpl-xr-0"
-    assert c.get_num_new_matched_tokens(req(rid, UP_D), 0) == (100, True)
-    c.update_state_after_alloc(req(rid, UP_D), SimpleNamespace(
-        get_unhashed_block_ids_all_groups=lambda: [list(range(7))],
-        get_unhashed_block_ids=lambda: list(range(7))), 100)
-    (e,) = c.build_connector_meta(None).plan.expects
-    assert e.transfer_id == "xr"
+    assert vllm_compat.request_id_random_suffix() is True  # 0.29 and 0.32 both suffix
+    assert transfer_id("chatcmpl-job-cafebabe-0a1b2c3d") == "job-cafebabe"
     monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
     assert vllm_compat.request_id_random_suffix() is False
+    assert transfer_id("chatcmpl-job-cafebabe") == "job-cafebabe"
