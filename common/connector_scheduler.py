@@ -210,6 +210,21 @@ class TransferParams:
         return params
 
 
+def upstream_reply(*, engine_id: str, side_channel_host: str, side_channel_port: int,
+                   tp_size: int, pp_size: int) -> dict[str, Any]:
+    """The keys vLLM's ``NixlPushConnector`` producer answers a prefill with that name the
+    producer (``kv_transfer_params`` of its response): a router that learns P's engine id and
+    sizes from there (ours in ``upstream-push`` mode), or forwards them to D as they are, gets
+    a decoder leg this connector serves. ``remote_host`` / ``remote_port`` (the handshake side
+    channel) only when the host is an address a decoder can dial, not a wildcard."""
+    reply: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
+                             "remote_engine_id": engine_id, "tp_size": tp_size,
+                             "pp_size": pp_size, "transfer_mode": "push"}
+    if side_channel_host not in ("", "0.0.0.0", "::"):
+        reply.update(remote_host=side_channel_host, remote_port=side_channel_port)
+    return reply
+
+
 @dataclass(frozen=True)
 class PrefillReady:
     req_id: str
@@ -274,18 +289,23 @@ class PushScheduler:
     ``counters``: where it counts what it rejects (``rejected{bad_transfer_params}``); a fresh
     ``Counters`` when not given. The connector hands their snapshot to vLLM's stats each step.
     ``random_suffix``: this vLLM appends a random suffix to engine request ids (read by
-    ``upstream_transfer_id``; ``vllm_compat.request_id_random_suffix``).
+    ``upstream_transfer_id``; ``vllm_compat.request_id_random_suffix``). ``upstream_reply``:
+    what a producer adds to its answer to an upstream-form leg besides the transfer id -- the
+    keys vLLM's own producer answers with, by which routers built for it learn how to address
+    the decoder leg (``upstream_reply``).
     """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
                  counters: Counters | None = None, secret: bytes = b"",
-                 random_suffix: bool = False, clock: Callable[[], float] = time.time):
+                 random_suffix: bool = False, upstream_reply: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.time):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
         self.counters = counters if counters is not None else Counters()
         self._secret = secret
         self._random_suffix = random_suffix
+        self._upstream_reply = dict(upstream_reply or {})
         self._clock = clock
         self._log = LogLimiter(logger)
         # request id -> its params as judged at the first look (a signature's expiry is checked
@@ -422,7 +442,10 @@ class PushScheduler:
                                                 int(request.num_computed_tokens), digest,
                                                 params.fanout))
         self._held.add(rid)
-        return True, {"transfer_id": params.transfer_id}
+        reply: dict[str, Any] = {"transfer_id": params.transfer_id}
+        if params.upstream:
+            reply.update(self._upstream_reply, remote_request_id=rid)
+        return True, reply
 
     def on_send_finished(self, req_ids: Iterable[str]) -> None:
         self._held.difference_update(req_ids)

@@ -311,3 +311,24 @@ def test_upstream_form_from_the_client_matches_single_server(stack, prompts, fig
     waited = assert_idle([p, d], within=RENDEZVOUS_TTL_S + 30)
     figures("e2e", f"vLLM {stack['version']}: upstream-form requests -> P and D idle after",
             waited)
+
+
+def test_router_in_upstream_push_mode_drives_our_connector(stack, prompts, tmp_path):
+    """Our router's ``--mode upstream-push`` (written for vLLM's ``NixlPushConnector``) in front
+    of our servers: it learns P's engine id from P's first answer (that request goes serially),
+    then sends both legs at once in the upstream form. Outputs match one server and D computes
+    no prompt token itself."""
+    p, d = stack["p"], stack["d"]
+    r = router(python=stack["python"], port=free_port(), prefill=[(p.url, stack["kv_port"])],
+               decode=[d.url], log_dir=tmp_path, mode="upstream-push", name="router-upstream")
+    try:
+        r.wait_healthy(60)
+        before = _sources(d)
+        for prompt in prompts[11:14]:
+            assert signature(_complete(r.url, prompt)) == stack["reference"][prompt]
+        after = _sources(d)
+        assert after["local_compute"] == before["local_compute"], (before, after)
+        assert after["external_kv_transfer"] > before["external_kv_transfer"], (before, after)
+        assert "learned PeerInfo(engine_id=" in r.log_text(), r.tail()
+    finally:
+        r.stop()

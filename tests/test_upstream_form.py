@@ -23,6 +23,7 @@ from kv_push.common.connector_scheduler import (
     PushScheduler,
     TransferParams,
     TransferParamsError,
+    upstream_reply,
     upstream_transfer_id,
 )
 from kv_push.common.metrics import Counters
@@ -187,18 +188,45 @@ def test_a_two_prompt_list_in_upstream_form_pairs_each_prompt_with_its_own_prefi
                       "cmpl-list-1-aaaaaaa1": "cmpl-list-1-00000001"}
 
 
-def test_upstream_producer_leg_holds_its_blocks_and_answers_with_the_transfer_id():
-    p = producer()
+def test_upstream_producer_leg_holds_its_blocks_and_answers_as_vllms_producer_does():
+    reply = upstream_reply(engine_id="eng-p", side_channel_host="10.0.0.1",
+                           side_channel_port=5600, tp_size=2, pp_size=1)
+    p = producer(upstream_reply=reply)
     r = req("cmpl-xr-0-0a1b2c3d", UP_P, computed=100)
     delay, params = p.request_finished(r, [1, 2, 3, 4, 5, 6, 7], finished_ok=True)
-    assert delay is True and params["transfer_id"] == "xr"
+    assert delay is True
+    # what routers built for vLLM's NixlPushConnector learn P's engine id and sizes from
+    assert params == {"transfer_id": "xr", "do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": "eng-p", "remote_request_id": "cmpl-xr-0-0a1b2c3d",
+                      "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 2,
+                      "pp_size": 1, "transfer_mode": "push"}
     (ready,) = p.take_plan().prefills
     assert (ready.req_id, ready.transfer_id, ready.capacity) == ("cmpl-xr-0-0a1b2c3d", "xr", 1)
     assert p.has_pending_work()
+    # a router that hands P's answer to D as it is (serially) gets a decoder leg for that prefill
+    d = decoder()
+    dr = req("cmpl-xr-0-99999999", params)
+    assert d.get_num_new_matched_tokens(dr, 0) == (100, True)
+    d.update_state_after_alloc(dr, list(range(7)), 100)
+    (e,) = d.take_plan().expects
+    assert (e.transfer_id, e.host, e.port, e.prompt_digest) == (
+        "xr", "10.0.0.1", 5600, ready.prompt_digest)
+    # ours answers as before
+    ours = producer(upstream_reply=reply)
+    assert ours.request_finished(req("p1", {"transfer_id": "t1", "do_remote_decode": True},
+                                     computed=100), [1], finished_ok=True) == (
+        True, {"transfer_id": "t1"})
     aborted = req("cmpl-xs-0-0a1b2c3d", UP_P)
     assert p.request_finished(aborted, [], finished_ok=False) == (False, None)
     (a,) = p.take_plan().prefill_aborts
     assert a.transfer_id == "xs"  # the decoder request waiting for it hears at once
+
+
+def test_a_wildcard_side_channel_host_is_not_offered_to_decoders():
+    reply = upstream_reply(engine_id="e", side_channel_host="0.0.0.0", side_channel_port=5600,
+                           tp_size=1, pp_size=1)
+    assert "remote_host" not in reply and "remote_port" not in reply
+    assert reply["remote_engine_id"] == "e"
 
 
 # -- with a secret ---------------------------------------------------------------------------------
@@ -262,8 +290,34 @@ def test_the_connector_reads_whether_this_vllm_suffixes_request_ids(monkeypatch)
         return e.transfer_id
 
     monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
+    monkeypatch.delenv("KV_PUSH_SIDE_CHANNEL_HOST", raising=False)
+    monkeypatch.delenv("KV_PUSH_SIDE_CHANNEL_PORT", raising=False)
     assert vllm_compat.request_id_random_suffix() is True  # 0.29 and 0.32 both suffix
     assert transfer_id("chatcmpl-job-cafebabe-0a1b2c3d") == "job-cafebabe"
     monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
     assert vllm_compat.request_id_random_suffix() is False
     assert transfer_id("chatcmpl-job-cafebabe") == "job-cafebabe"
+
+
+def test_the_connectors_producer_answers_with_its_engine_id_side_channel_and_sizes(monkeypatch):
+    from kv_push.common.connector import KVPushConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.delenv("KV_PUSH_SIDE_CHANNEL_HOST", raising=False)
+    monkeypatch.delenv("KV_PUSH_SIDE_CHANNEL_PORT", raising=False)
+    ktc = SimpleNamespace(kv_connector_extra_config={"side_channel_host": "10.1.2.3",
+                                                     "side_channel_port": 7100},
+                          kv_role="kv_producer", engine_id="eng-7", is_kv_producer=True)
+    config = SimpleNamespace(kv_transfer_config=ktc, cache_config=SimpleNamespace(block_size=16),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=4,
+                                                             pipeline_parallel_size=1))
+    c = KVPushConnector(config, KVConnectorRole.SCHEDULER, None)
+    r = req("cmpl-xr-0-0a1b2c3d", UP_P, computed=100)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, params = c.request_finished(r, [1, 2, 3, 4, 5, 6, 7])
+    assert delay is True
+    assert {k: params[k] for k in ("transfer_id", "remote_engine_id", "remote_host",
+                                   "remote_port", "tp_size", "pp_size")} == {
+        "transfer_id": "xr", "remote_engine_id": "eng-7", "remote_host": "10.1.2.3",
+        "remote_port": 7100, "tp_size": 4, "pp_size": 1}
