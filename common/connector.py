@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import vllm_compat as compat
 from .config import PushConfig
-from .connector_scheduler import PushScheduler, StepPlan
+from .connector_scheduler import PushScheduler, StepPlan, upstream_reply
 from .connector_stats import KVPushPromMetrics, KVPushStats
 from .metrics import Counters
 
@@ -57,10 +57,19 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         self._scheduler: PushScheduler | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
+            pc = self.push_config
+            parallel = getattr(vllm_config, "parallel_config", None)
+            reply = upstream_reply(
+                engine_id=str(ktc.engine_id), side_channel_host=pc.side_channel_host,
+                side_channel_port=pc.side_channel_port,
+                tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
+                pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)))
             self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
                                             is_decoder=self.kv_role in ("decoder", "both"),
                                             block_size=block_size, counters=Counters(),
-                                            secret=self.push_config.secret)
+                                            secret=pc.secret,
+                                            random_suffix=compat.request_id_random_suffix(),
+                                            upstream_reply=reply)
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 

@@ -20,23 +20,32 @@ requests that share ``kv_transfer_params``. Both halves therefore name a request
 ``prompt_digest`` (a digest of its token ids, the same on P and D) and the decoder registers
 under its own engine request id, so each decoder request gets the KV of its own prompt.
 
-The request-level parameters come from the router (see ``TransferParams``). With a secret they
-count only when the router signed them (``auth.verify_transfer_params``): otherwise the request
-is served without KV transfer (a decoder prefills locally, a producer frees its blocks as usual),
-counted as ``rejected{<reason>}`` and logged once per request -- a decoder never dials a host a
-client chose, a producer never holds blocks a client asked it to.
+The request-level parameters come in one of two forms (see ``TransferParams``): ours, from our
+router, with a ``transfer_id``; or the **upstream form** that vLLM's own ``NixlPushConnector``
+reads (``do_remote_decode`` / ``do_remote_prefill`` + ``remote_host`` / ``remote_port``, no
+transfer id), which routers built for it send to both legs at once under one ``X-Request-Id``.
+For that form the transfer id is the client's ``X-Request-Id``, recovered from the engine
+request id the same way on P and D (``upstream_transfer_id``).
+
+With a secret the parameters count only when the router signed them
+(``auth.verify_transfer_params``): otherwise the request is served without KV transfer (a
+decoder prefills locally, a producer frees its blocks as usual), counted as ``rejected{<reason>}``
+and logged -- once per request, or for the upstream form (which no router signs) once, then at
+most once a minute with a count -- a decoder never dials a host a client chose, a producer never
+holds blocks a client asked it to.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
-from .messages import prompt_digest
-from .metrics import Counters
+from .messages import MAX_ID_CHARS, prompt_digest
+from .metrics import Counters, LogLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -48,26 +57,74 @@ RELEASE_KEY_PREFIX = "release:"
 MAX_FANOUT = 1024
 
 
+#: ``rejected{}`` label of upstream-form parameters without a signature on a server with a secret
+UNSIGNED_UPSTREAM = "unsigned_upstream_transfer_params"
+
+
 class TransferParamsError(ValueError):
     """``reason``: the metrics label (``bad_transfer_params``, or a signature problem:
-    ``unsigned_transfer_params``, ``bad_transfer_params_signature``,
-    ``expired_transfer_params``)."""
+    ``unsigned_transfer_params``, ``unsigned_upstream_transfer_params``,
+    ``bad_transfer_params_signature``, ``expired_transfer_params``)."""
 
     def __init__(self, message: str, reason: str = "bad_transfer_params"):
         super().__init__(message)
         self.reason = reason
 
 
+#: vLLM's engine request ids, by endpoint, before the random suffix (the same in 0.29 and 0.32):
+#: completions ``cmpl-{X-Request-Id}-{prompt index}``, chat ``chatcmpl-{X-Request-Id}`` (with
+#: ``_{i}`` appended when one chat request makes several engine requests: kept, both legs make
+#: the same), and ``{sample}_`` in front for each sample of ``n > 1``
+_COMPLETION_ID = re.compile(r"cmpl-(.*)-\d+", re.DOTALL)
+_CHAT_ID = re.compile(r"chatcmpl-(.*)", re.DOTALL)
+_SAMPLE_PREFIX = re.compile(r"\d+_(?=(?:chat)?cmpl-)")
+#: what vLLM 0.29 and 0.32 append to every engine request id (``-{random_uuid():.8}``)
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}")
+RANDOM_SUFFIX_CHARS = 9
+
+
+def upstream_transfer_id(request_id: str, *, random_suffix: bool) -> str:
+    """The transfer id of an upstream-form request: the client's ``X-Request-Id`` as recovered
+    from the engine request id ``request_id``. ``random_suffix``: this vLLM appended its
+    ``-<8 hex>`` to the id (``vllm_compat.request_id_random_suffix``); only then is one cut
+    off, so an ``X-Request-Id`` that itself ends in 8 hex digits survives where it does not
+    (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``, older vLLM), and P and D agree even when only
+    one of them suffixes.
+
+    P and D derive the same id for their legs of one client request when both legs carried the
+    same ``X-Request-Id`` to the same endpoint; the engine requests of a prompt list or of
+    ``n > 1`` all get that one id and are told apart by their prompt digests (as with ours). An
+    id of another shape (another endpoint, the offline API) is used as it is, less the suffix.
+    """
+    rid = request_id
+    if random_suffix and _RANDOM_SUFFIX.fullmatch(rid, len(rid) - RANDOM_SUFFIX_CHARS):
+        rid = rid[:-RANDOM_SUFFIX_CHARS]
+    if m := _SAMPLE_PREFIX.match(rid):
+        rid = rid[m.end():]
+    for shape in (_COMPLETION_ID, _CHAT_ID):
+        if m := shape.fullmatch(rid):
+            return m.group(1)
+    return rid
+
+
 @dataclass(frozen=True)
 class TransferParams:
-    """What the router puts in a request's ``kv_transfer_params``.
+    """What the router puts in a request's ``kv_transfer_params``, in one of two forms.
 
-    Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``, optionally with
+    **Ours.** Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``, optionally with
     ``"fanout": n``: each prefill of this leg serves ``n`` decoder requests of the same prompt
     (the router sends P one sample while D samples ``n``; default 1).
     Decoder leg:  ``{"transfer_id": tid, "do_remote_prefill": true, "remote_host": h,
     "remote_port": p}`` where ``h:p`` is the producer's handshake side channel (rank 0).
     With a secret, both also carry the router's signature under ``kv_push_sig``.
+
+    **Upstream** (``upstream``; what vLLM's ``NixlPushConnector`` reads): no ``transfer_id``;
+    producer leg ``{"do_remote_decode": true, ...}``, decoder leg ``{"do_remote_prefill": true,
+    "remote_host": h, "remote_port": p, "remote_engine_id": ..., "tp_size": ..., ...}``. The
+    transfer id is derived from the engine request id (``upstream_transfer_id``); the other keys
+    (``remote_engine_id``, ``tp_size``, ``pp_size``, ``remote_request_id``,
+    ``remote_block_ids``) are not needed: D learns P's identity and layout at the handshake.
+    With a secret it counts only when signed like ours (over the derived transfer id).
     """
 
     transfer_id: str
@@ -76,22 +133,41 @@ class TransferParams:
     remote_host: str = ""
     remote_port: int = 0
     fanout: int = 1
+    upstream: bool = False
 
     @classmethod
-    def parse(cls, raw: Any, secret: bytes = b"", now: float | None = None
-              ) -> "TransferParams | None":
-        """None when the request is not ours; TransferParamsError when it is but is malformed
-        or (with ``secret``) not validly signed by the router at ``now`` (default: the time)."""
-        if not isinstance(raw, dict) or "transfer_id" not in raw:
+    def parse(cls, raw: Any, secret: bytes = b"", now: float | None = None, *,
+              request_id: str = "", random_suffix: bool = False) -> "TransferParams | None":
+        """None when the request is not for a KV transfer; TransferParamsError when it is but
+        is malformed or (with ``secret``) not validly signed by the router at ``now`` (default:
+        the time). ``request_id`` (the engine request id) and ``random_suffix`` name an
+        upstream-form request's transfer (``upstream_transfer_id``)."""
+        if not isinstance(raw, dict):
             return None
-        tid = raw.get("transfer_id")
-        if not isinstance(tid, str) or not tid or len(tid) > 256:
-            raise TransferParamsError(f"transfer_id must be a non-empty string, got {tid!r}")
+        upstream = "transfer_id" not in raw
+        if upstream:
+            if raw.get("do_remote_decode") is not True and raw.get("do_remote_prefill") is not True:
+                return None  # neither leg of a transfer (e.g. all flags false)
+            tid = upstream_transfer_id(request_id, random_suffix=random_suffix)
+            if not tid:
+                raise TransferParamsError(
+                    f"upstream-form kv_transfer_params: request id {request_id!r} names no "
+                    f"transfer (send both legs with one non-empty X-Request-Id)")
+        else:
+            tid = raw.get("transfer_id")
+        if not isinstance(tid, str) or not tid or len(tid) > MAX_ID_CHARS:
+            raise TransferParamsError(f"transfer_id must be a non-empty string of at most "
+                                      f"{MAX_ID_CHARS} characters, got {tid!r}")
         decode, prefill = bool(raw.get("do_remote_decode")), bool(raw.get("do_remote_prefill"))
         if decode == prefill:
             raise TransferParamsError("exactly one of do_remote_decode / do_remote_prefill")
-        host, port = raw.get("remote_host", ""), raw.get("remote_port", 0)
+        host, port = "", 0  # a producer leg dials nobody: whatever it names is ignored
         if prefill:
+            host, port = raw.get("remote_host", ""), raw.get("remote_port", 0)
+            if len(request_id) > MAX_ID_CHARS:  # D registers under it: P would refuse it
+                raise TransferParamsError(
+                    f"the request id must be at most {MAX_ID_CHARS} characters to be registered "
+                    f"with the producer, got {len(request_id)} (shorten X-Request-Id)")
             if not isinstance(host, str) or not host:
                 raise TransferParamsError(f"remote_host must be a host name, got {host!r}")
             try:
@@ -105,8 +181,12 @@ class TransferParams:
                 1 <= fanout <= MAX_FANOUT):
             raise TransferParamsError(f"fanout must be an integer in [1, {MAX_FANOUT}], "
                                       f"got {fanout!r}")
-        params = cls(tid, decode, prefill, host or "", int(port or 0), fanout)
+        params = cls(tid, decode, prefill, host, port, fanout, upstream)
         if secret:
+            if upstream and raw.get(SIG_KEY) is None:
+                raise TransferParamsError(
+                    "upstream-form kv_transfer_params are unsigned, and with a secret set only "
+                    "router-signed ones are acted on", reason=UNSIGNED_UPSTREAM)
             # the signature covers what makes a server dial or hold blocks (``fanout``: how
             # many decoder requests a prefill's blocks wait for)
             try:
@@ -118,6 +198,21 @@ class TransferParams:
             except ParamsSignatureError as e:
                 raise TransferParamsError(str(e), reason=e.reason) from None
         return params
+
+
+def upstream_reply(*, engine_id: str, side_channel_host: str, side_channel_port: int,
+                   tp_size: int, pp_size: int) -> dict[str, Any]:
+    """The keys vLLM's ``NixlPushConnector`` producer answers a prefill with that name the
+    producer (``kv_transfer_params`` of its response): a router that learns P's engine id and
+    sizes from there (ours in ``upstream-push`` mode), or forwards them to D as they are, gets
+    a decoder leg this connector serves. ``remote_host`` / ``remote_port`` (the handshake side
+    channel) only when the host is an address a decoder can dial, not a wildcard."""
+    reply: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
+                             "remote_engine_id": engine_id, "tp_size": tp_size,
+                             "pp_size": pp_size, "transfer_mode": "push"}
+    if side_channel_host not in ("", "0.0.0.0", "::"):
+        reply.update(remote_host=side_channel_host, remote_port=side_channel_port)
+    return reply
 
 
 @dataclass(frozen=True)
@@ -183,17 +278,26 @@ class PushScheduler:
 
     ``counters``: where it counts what it rejects (``rejected{bad_transfer_params}``); a fresh
     ``Counters`` when not given. The connector hands their snapshot to vLLM's stats each step.
+    ``random_suffix``: this vLLM appends a random suffix to engine request ids (read by
+    ``upstream_transfer_id``; ``vllm_compat.request_id_random_suffix``). ``upstream_reply``:
+    what a producer adds to its answer to an upstream-form leg besides the transfer id -- the
+    keys vLLM's own producer answers with, by which routers built for it learn how to address
+    the decoder leg (``upstream_reply``).
     """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
                  counters: Counters | None = None, secret: bytes = b"",
+                 random_suffix: bool = False, upstream_reply: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.time):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
         self.counters = counters if counters is not None else Counters()
         self._secret = secret
+        self._random_suffix = random_suffix
+        self._upstream_reply = dict(upstream_reply or {})
         self._clock = clock
+        self._log = LogLimiter(logger)
         # request id -> its params as judged at the first look (a signature's expiry is checked
         # once, when the request arrives, not again after it queued or was preempted)
         self._verdicts: dict[str, TransferParams | None] = {}
@@ -209,11 +313,17 @@ class PushScheduler:
             return self._verdicts[rid]
         try:
             params = TransferParams.parse(getattr(request, "kv_transfer_params", None),
-                                          self._secret, self._clock())
+                                          self._secret, self._clock(), request_id=rid,
+                                          random_suffix=self._random_suffix)
         except TransferParamsError as e:
-            logger.warning("kv_push: request %s: kv_transfer_params refused (%s: %s); serving it "
-                           "without KV transfer", rid, e.reason, e)
             self.counters.inc("rejected", label=e.reason)
+            if e.reason == UNSIGNED_UPSTREAM:  # a client's convention, not one bad request
+                self._log.warn(e.reason, "kv_push: request %s: %s; it and every later one like "
+                               "it are served without KV transfer (counted in "
+                               "rejected{%s})", rid, e, e.reason)
+            else:
+                logger.warning("kv_push: request %s: kv_transfer_params refused (%s: %s); "
+                               "serving it without KV transfer", rid, e.reason, e)
             params = None
         self._verdicts[rid] = params
         return params
@@ -322,7 +432,10 @@ class PushScheduler:
                                                 int(request.num_computed_tokens), digest,
                                                 params.fanout))
         self._held.add(rid)
-        return True, {"transfer_id": params.transfer_id}
+        reply: dict[str, Any] = {"transfer_id": params.transfer_id}
+        if params.upstream:
+            reply.update(self._upstream_reply, remote_request_id=rid)
+        return True, reply
 
     def on_send_finished(self, req_ids: Iterable[str]) -> None:
         self._held.difference_update(req_ids)

@@ -10,6 +10,9 @@ Supported: vLLM 0.29 and 0.32 (tested end to end here with the CPU build), and t
   ``get_block_ids_with_load_errors``.
 * ``has_pending_push_work``: keeps the producer's engine loop stepping while blocks wait for
   their WRITEs; where absent, vLLM keeps stepping while requests hold delayed-free blocks.
+* Engine request ids: 0.29 and 0.32 append ``-<8 hex>`` to each unless
+  ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set (``request_id_random_suffix``); the upstream
+  request form's transfer id must leave it out.
 """
 
 from __future__ import annotations
@@ -104,3 +107,16 @@ def finished_ok(request: Any) -> bool:
     from vllm.v1.request import RequestStatus  # noqa: PLC0415
 
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def request_id_random_suffix() -> bool:
+    """Whether this vLLM appends ``-<8 random hex digits>`` to every engine request id
+    (``InputProcessor.assign_request_id`` in 0.29 and 0.32, which came with the environment
+    variable ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` that turns it off: a vLLM without that
+    variable appends nothing). The engine core inherits the API server's environment."""
+    from vllm import envs  # noqa: PLC0415
+
+    name = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+    if name not in getattr(envs, "environment_variables", {}):
+        return False
+    return not envs.environment_variables[name]()

@@ -54,7 +54,8 @@ def test_bad_transfer_params_are_rejected(raw, error):
 
 def test_requests_without_our_params_are_not_ours():
     assert TransferParams.parse(None) is None
-    assert TransferParams.parse({"do_remote_prefill": True}) is None  # e.g. vLLM's own pull
+    # no leg of a transfer (the upstream form without a transfer id: tests/test_upstream_form.py)
+    assert TransferParams.parse({"do_remote_decode": False, "do_remote_prefill": False}) is None
     s = decoder()
     assert s.get_num_new_matched_tokens(req("r", None), 0) == (0, False)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -25,12 +26,13 @@ from kv_push.common.worker import STATE_LOG_ENV
 
 try:
     from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, assert_idle,
-                             complete, dtype_note, list_request, make_prompts, n2_request,
+                             body, complete, dtype_note, list_request, make_prompts, n2_request,
                              signature, signatures, tiny_model_path, venvs)
 except ModuleNotFoundError:  # imported as a package module
     from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References,
-                                   assert_idle, complete, dtype_note, list_request, make_prompts,
-                                   n2_request, signature, signatures, tiny_model_path, venvs)
+                                   assert_idle, body, complete, dtype_note, list_request,
+                                   make_prompts, n2_request, signature, signatures,
+                                   tiny_model_path, venvs)
 
 pytestmark = pytest.mark.e2e
 
@@ -86,7 +88,7 @@ def stack(request, tiny_model, prompts, tmp_path_factory, figures):
         r.wait_healthy(60)
         _complete(r.url, prompts[2])  # warm-up: first forward passes and the handshake
         yield {"version": version, "p": p, "d": d, "router": r, "reference": reference,
-               "python": python}
+               "python": python, "kv_port": kv_port}
     finally:
         for s in reversed(servers):
             s.stop()
@@ -237,3 +239,97 @@ def test_prompt_list_matches_single_server(stack, prompts):
 
 def test_n2_seeded_sampling_matches_single_server(stack, prompts):
     _split_request(stack, "n2", n2_request(prompts))
+
+
+# -- the upstream request form: what routers built for vLLM's NixlPushConnector send ------------
+
+
+def _upstream_legs(stack, req: dict, xrid: str, endpoint: str = "/v1/completions"
+                   ) -> tuple[dict, dict]:
+    """Send P and D their legs at once, as a router for vLLM's ``NixlPushConnector`` does: the
+    same ``X-Request-Id`` on both, vLLM's own ``kv_transfer_params`` (no transfer id of ours),
+    no router of ours. Returns (P's JSON, D's JSON)."""
+    p_leg = dict(req, max_tokens=1, stream=False, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None})
+    d_leg = dict(req, kv_transfer_params={
+        "do_remote_prefill": True, "do_remote_decode": False,
+        "remote_engine_id": "an-engine-id-the-connector-does-not-need",
+        "remote_request_id": None, "remote_host": "127.0.0.1",
+        "remote_port": stack["kv_port"], "tp_size": 1, "pp_size": 1})
+
+    async def run():
+        async with httpx.AsyncClient(timeout=REQUEST_BOUND_S,
+                                     headers={"X-Request-Id": xrid}) as client:
+            return await asyncio.gather(client.post(stack["p"].url + endpoint, json=p_leg),
+                                        client.post(stack["d"].url + endpoint, json=d_leg))
+
+    try:
+        rp, rd = asyncio.run(run())
+    except httpx.TimeoutException:
+        pytest.fail(f"upstream-form legs of {xrid}: no answer within {REQUEST_BOUND_S:.0f} s")
+    assert rp.status_code == 200, rp.text
+    assert rd.status_code == 200, rd.text
+    return rp.json(), rd.json()
+
+
+def _sources(d) -> dict[str, float]:
+    return {s: metric(d.url, "vllm:prompt_tokens_by_source_total", source=s)
+            for s in ("external_kv_transfer", "local_compute")}
+
+
+def test_upstream_form_from_the_client_matches_single_server(stack, prompts, figures):
+    """A client that speaks only the upstream form (two legs at once, one ``X-Request-Id``, no
+    transfer id) gets the single server's outputs -- one prompt, a two-prompt list, and a chat
+    request -- and D receives every prompt token it does not hold by KV transfer: it computes
+    none itself (before the upstream form was accepted D prefilled such requests locally)."""
+    p, d = stack["p"], stack["d"]
+    before = _sources(d)
+    done0 = metric(p.url, "vllm:kv_push_transfers_done_total")
+    cases = [("single", body(prompts[9]), signature, stack["reference"][prompts[9]]),
+             ("list", list_request(prompts), signatures, stack["reference"]["list"])]
+    for name, req, sig, want in cases:
+        xrid = f"upstream-{name}-{uuid.uuid4().hex}"
+        p_json, d_json = _upstream_legs(stack, req, xrid)
+        got = sig(d_json["choices"][0]) if sig is signature else sig(d_json)
+        assert got == want, (name, got, want)
+        # P's answer names the transfer it derived from its engine request ids: the client's
+        # X-Request-Id, on this vLLM's id shapes
+        assert (p_json.get("kv_transfer_params") or {}).get("transfer_id") == xrid, p_json
+    xrid = f"upstream-chat-{uuid.uuid4().hex}"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompts[10]}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    _, d_json = _upstream_legs(stack, chat, xrid, "/v1/chat/completions")
+    assert d_json["choices"][0]["message"] is not None
+    after = _sources(d)
+    assert after["local_compute"] == before["local_compute"], (before, after)
+    assert after["external_kv_transfer"] > before["external_kv_transfer"], (before, after)
+    # P wrote each of the four engine requests' KV (1 + 2 + 1), paired, not expired
+    deadline = time.monotonic() + 30  # stats are published with the engine's next outputs
+    while metric(p.url, "vllm:kv_push_transfers_done_total") - done0 < 4:
+        assert time.monotonic() < deadline, "P's transfers never reached /metrics"
+        time.sleep(0.5)
+    waited = assert_idle([p, d], within=RENDEZVOUS_TTL_S + 30)
+    figures("e2e", f"vLLM {stack['version']}: upstream-form requests -> P and D idle after",
+            waited)
+
+
+def test_router_in_upstream_push_mode_drives_our_connector(stack, prompts, tmp_path):
+    """Our router's ``--mode upstream-push`` (written for vLLM's ``NixlPushConnector``) in front
+    of our servers: it learns P's engine id from P's first answer (that request goes serially),
+    then sends both legs at once in the upstream form. Outputs match one server and D computes
+    no prompt token itself."""
+    p, d = stack["p"], stack["d"]
+    r = router(python=stack["python"], port=free_port(), prefill=[(p.url, stack["kv_port"])],
+               decode=[d.url], log_dir=tmp_path, mode="upstream-push", name="router-upstream")
+    try:
+        r.wait_healthy(60)
+        before = _sources(d)
+        for prompt in prompts[11:14]:
+            assert signature(_complete(r.url, prompt)) == stack["reference"][prompt]
+        after = _sources(d)
+        assert after["local_compute"] == before["local_compute"], (before, after)
+        assert after["external_kv_transfer"] > before["external_kv_transfer"], (before, after)
+        assert "learned PeerInfo(engine_id=" in r.log_text(), r.tail()
+    finally:
+        r.stop()
