@@ -178,7 +178,7 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
         except MessageRejected as e:
             # decided here (secret on one side only, another secret, another protocol): a
             # refusal like one the producer decides, so the decoder counts it the same way
-            reason = explain(e, "the producer", "decoder")
+            reason = explain(e, f"the producer at {where}", "decoder")
             _refuse_quietly(sock, codec, reason)
             sock.close()
             raise HandshakeRefused(f"handshake with {where} refused here: {reason}", reason,

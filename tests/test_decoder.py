@@ -770,7 +770,8 @@ def test_a_refusal_decided_here_is_counted_as_rejected_and_as_a_refusal():
     """The side channel rejected the producer's frame here (a secret on P only): counted like a
     refusal ``_on_welcome`` decides -- ``rejected{label}`` and ``handshake_refusals``."""
     b = Bench()
-    reason = "secret_mismatch: the producer uses a shared secret but this decoder has none"
+    reason = (f"secret_mismatch: the producer at {HOST}:{PORT} uses a shared secret but this "
+              "decoder has none")
     b.refuse[PORT] = HandshakeRefused(f"handshake with {HOST}:{PORT} refused here: {reason}",
                                       reason, rejected="secret_mismatch")
     b.expect()

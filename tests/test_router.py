@@ -696,8 +696,9 @@ async def test_a_secret_on_prefill_only_is_reported_to_the_client_and_health():
     by P (``handshake_refusals``, the label the decoder makes: test_side_channel's
     test_a_refusal_decided_by_the_decoder_is_counted_like_one_by_the_producer). The client
     learns what differs (not where), /health which pair."""
-    reason = ("secret_mismatch: the producer uses a shared secret but this decoder has none: "
-              "set KV_PUSH_SECRET (or secret_file) on both sides or neither")
+    reason = (f"secret_mismatch: the producer at 127.0.0.1:{KV_BASE_PORT} uses a shared secret "
+              "but this decoder has none: set KV_PUSH_SECRET (or secret_file) on both sides or "
+              "neither")
     async with cluster() as c:
         d = c.decodes[0]
         d.behavior.fail_status = 500  # vLLM: "Internal server error"
@@ -705,7 +706,8 @@ async def test_a_secret_on_prefill_only_is_reported_to_the_client_and_health():
         r = await c.client.post("/v1/completions", json=COMPLETION)
         assert r.status_code == 500
         err = r.json()["error"]
-        assert err["type"] == "incompatible_peers" and reason in err["message"]
+        assert err["type"] == "incompatible_peers"
+        assert reason.replace(f"127.0.0.1:{KV_BASE_PORT}", "<address>") in err["message"]
         assert "127.0.0.1" not in err["message"]
         h = await c.client.get("/health", params={"probe": "1"})
         assert h.status_code == 503
