@@ -685,6 +685,11 @@ async def test_error_messages_name_the_leg_not_its_address():
         assert r.status_code == 500
         assert r.json()["error"] == {"message": "the prefill server returned HTTP 500: p0 failed",
                                      "type": "prefill_error", "code": 500}
+        p.behavior.error_body = {"error": {"message": "KV store at 10.2.3.4:7000 is gone",
+                                           "type": "InternalServerError", "code": 500}}
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["message"] == (
+            "the prefill server returned HTTP 500: KV store at <address> is gone")
         p.behavior.fail_status, d.behavior.delay, d.behavior.n_chunks = None, 0.0, 0
         r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
         assert r.status_code == 502 and "127.0.0.1" not in r.text and "http:" not in r.text

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import generate_latest
 
 from kv_push.common.auth import TransferParamsSigner
-from kv_push.common.router.compat import PairCompat, parse_refusals
+from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.pool import Backend, BackendPool
 
@@ -310,7 +310,7 @@ class Router:
         if isinstance(exc, httpx.Response):
             kind, status = f"http_{exc.status_code // 100}xx", exc.status_code
             upstream, error_body = _upstream_message(exc)
-            msg = f"{server} returned HTTP {status}: {upstream}"
+            msg = f"{server} returned HTTP {status}: {without_addresses(upstream)}"
             if status < 500:
                 body = error_body
         elif isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
