@@ -328,8 +328,9 @@ class Decoder:
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
                 refused = e.reason if isinstance(e, HandshakeRefused) else None
+                rejected = e.rejected if isinstance(e, HandshakeRefused) else None
                 self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token,
-                                                                  refused))
+                                                                  refused, rejected))
                 return
             sever = severs[0] if severs else None
             self.ctx.submit(lambda: self._on_welcome(remote, rank, welcome, token, sever))
@@ -398,9 +399,15 @@ class Decoder:
                 self._advance(want)
 
     def _on_handshake_failed(self, remote: _Remote, rank: int, reason: str,
-                             token: int | None = None, refused: str | None = None) -> None:
+                             token: int | None = None, refused: str | None = None,
+                             rejected: str | None = None) -> None:
         """``refused``: the incompatibility, when one side refused the other (counted in
-        ``handshake_refusals`` labelled with the producer's address, which the router reads)."""
+        ``handshake_refusals`` labelled with the producer's address, which the router reads).
+        ``rejected``: the label when the side channel refused the producer's frame here (a
+        secret on one side only, another protocol), counted in ``rejected`` as a refusal
+        decided in ``_on_welcome`` is."""
+        if rejected is not None:
+            self.ctx.counters.reject(rejected, reason, context=f"handshake {remote.address}")
         if token is not None:
             self._handshaking.discard(token)
             self._closed_early.discard(token)

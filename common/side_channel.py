@@ -77,13 +77,16 @@ class HandshakeError(ConnectionError):
 
 
 class HandshakeRefused(HandshakeError):
-    """The producer answered ``Refused``: the two sides cannot work together as configured
-    (``reason`` is the producer's, e.g. "bad_layout: ... opaque block layouts need equal
-    block_size ..."). Retrying will not help until one side is reconfigured."""
+    """One side refused the other: the two cannot work together as configured. ``reason`` is
+    ``label: sentence`` (e.g. "bad_layout: ... opaque block layouts need equal block_size ...").
+    ``rejected`` is the label when the refusal was decided here (this decoder rejected the
+    producer's frame, e.g. ``secret_mismatch``, and told it so), ``None`` when the producer
+    answered ``Refused``. Retrying will not help until one side is reconfigured."""
 
-    def __init__(self, message: str, reason: str):
+    def __init__(self, message: str, reason: str, rejected: str | None = None):
         super().__init__(message)
         self.reason = reason
+        self.rejected = rejected
 
 
 class _Explained(HandshakeError):
@@ -198,10 +201,13 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
             raise _Explained(f"side channel {where}: timed out after {timeout:g}s waiting for "
                              "the producer's Challenge (hung, or older than protocol 2)") from None
         except MessageRejected as e:
+            # decided here (secret on one side only, another secret, another protocol): a
+            # refusal like one the producer decides, so the decoder counts it the same way
             reason = explain(e, f"the producer at {where}", "decoder")
             _refuse_quietly(sock, codec, reason)
             sock.close()
-            raise _Explained(f"handshake with {where} refused here: {reason}") from None
+            raise HandshakeRefused(f"handshake with {where} refused here: {reason}", reason,
+                                   rejected=e.reason) from None
         if isinstance(challenge, Refused):
             sock.close()
             raise _Explained(f"{where} refused the handshake: {challenge.reason}")
@@ -216,7 +222,7 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
             sock.close()
         raise HandshakeError(f"bad reply from {where}: "
                              f"{explain(e, f'the producer at {where}', 'decoder')}") from None
-    except _Explained:
+    except (_Explained, HandshakeRefused):
         raise  # (an OSError too)
     except OSError as e:
         if sock is not None:

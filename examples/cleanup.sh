@@ -16,10 +16,17 @@ ours() { members "$1" | grep -qE 'vllm|kv_push'; }
 group_alive() { [ -n "$(members "$1")" ]; }
 
 stopped=0
-# router first, so no new work reaches the servers; then decode and prefill
-for name in router decode prefill; do
-  f="$RUN_DIR/$name.pid"
+# every *.pid in RUN_DIR (what serve_pd.sh checks before it starts): router first, so no new work
+# reaches the servers; then decode and prefill; then any other (e.g. from an older layout).
+# A PID file whose process is gone or is no longer ours is only removed.
+shopt -s nullglob
+pidfiles=()
+for f in "$RUN_DIR"/router.pid "$RUN_DIR"/decode*.pid "$RUN_DIR"/prefill*.pid "$RUN_DIR"/*.pid; do
+  [[ " ${pidfiles[*]-} " == *" $f "* ]] || pidfiles+=("$f")
+done
+for f in "${pidfiles[@]}"; do
   [ -f "$f" ] || continue
+  name=$(basename "$f" .pid)
   pid=$(cat "$f")
   if [[ "$pid" =~ ^[0-9]+$ ]] && ours "$pid"; then
     echo "stopping $name (process group $pid)"

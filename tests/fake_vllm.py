@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 class Behavior:
     delay: float = 0.0  # seconds before the response (before the first chunk when streaming)
     fail_status: int | None = None  # answer with this HTTP status and an OpenAI-style error
+    error_body: dict | None = None  # that error's body (default: "<name> failed")
     n_chunks: int = 3  # streamed content chunks (followed by data: [DONE])
     chunk_interval: float = 0.0  # seconds between streamed chunks
     transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
@@ -118,8 +119,9 @@ class FakeVLLM:
             if body.get("stream") and b.delay:
                 await asyncio.wait({watcher}, timeout=b.delay)
             return self._finish(rec, watcher, JSONResponse(
-                {"error": {"message": f"{self.name} failed", "type": "InternalServerError",
-                           "code": b.fail_status}}, status_code=b.fail_status))
+                b.error_body or {"error": {"message": f"{self.name} failed",
+                                           "type": "InternalServerError", "code": b.fail_status}},
+                status_code=b.fail_status))
         rid = rec.request_id or "none"
         if body.get("stream"):
             return StreamingResponse(self._stream(rec, watcher, rid, chat),

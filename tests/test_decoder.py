@@ -62,7 +62,7 @@ class Bench:
         self.d.thread.add_role(self.decoder)
         self.p_tp, self.d_tp, self.d_rank = p_tp, d_tp, d_rank
         self.p = {r: RawEnd(self.wire, f"P{r}") for r in range(p_tp)}
-        self.refuse: dict[int, str] = {}  # port -> why its handshake fails
+        self.refuse: dict[int, str | HandshakeError] = {}  # port -> why its handshake fails
         self.welcome_changes: dict[int, dict] = {}  # rank -> Welcome fields to change
         self.handshakes: list[tuple[str, int]] = []
         self.hellos: list = []
@@ -77,8 +77,9 @@ class Bench:
         assert codec is self.d.thread.codec and timeout == self.d.thread.config.handshake_timeout_s
         self.handshakes.append((host, port))
         self.hellos.append(hello)
-        if port in self.refuse:
-            raise HandshakeError(self.refuse[port])
+        if port in self.refuse:  # a reason, or the very error the side channel raises
+            why = self.refuse[port]
+            raise why if isinstance(why, HandshakeError) else HandshakeError(why)
         rank = port - PORT
         end = self.p[rank]
         end.transport.add_peer(hello.agent_metadata)  # what accept_hello does on P
@@ -763,3 +764,19 @@ def test_a_handshake_that_fails_for_other_reasons_is_not_a_refusal():
     (outcome,) = b.outcomes()
     assert outcome.kind == "failed"
     assert b.d.count("handshake_failures") == 1 and b.d.count("handshake_refusals") == 0
+
+
+def test_a_refusal_decided_here_is_counted_as_rejected_and_as_a_refusal():
+    """The side channel rejected the producer's frame here (a secret on P only): counted like a
+    refusal ``_on_welcome`` decides -- ``rejected{label}`` and ``handshake_refusals``."""
+    b = Bench()
+    reason = (f"secret_mismatch: the producer at {HOST}:{PORT} uses a shared secret but this "
+              "decoder has none")
+    b.refuse[PORT] = HandshakeRefused(f"handshake with {HOST}:{PORT} refused here: {reason}",
+                                      reason, rejected="secret_mismatch")
+    b.expect()
+    (outcome,) = b.outcomes()
+    assert outcome.kind == "failed" and reason in outcome.reason
+    assert b.d.count("rejected", label="secret_mismatch") == 1
+    assert b.d.count("handshake_refusals", label=f"{HOST}:{PORT} {reason}") == 1
+    assert b.d.count("handshake_failures") == 1

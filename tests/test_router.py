@@ -596,7 +596,7 @@ async def test_decode_down_gives_502_and_cancels_prefill():
         assert r.status_code == 502
         err = r.json()["error"]
         assert err["type"] == "decode_error" and err["code"] == 502
-        assert "cannot connect" in err["message"]
+        assert err["message"] == "cannot connect to the decode server"  # not where
         # Depending on how fast D's connection is refused, the P request is cancelled before or
         # after it reached P; either way P must not keep working on it.
         await eventually(lambda: all_idle(c), "router to be idle")
@@ -748,7 +748,7 @@ async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
         err = r.json()["error"]
         assert err["type"] == "incompatible_peers", err
         assert REFUSAL in err["message"] and "incompatible" in err["message"]
-        assert f"127.0.0.1:{KV_BASE_PORT}" in err["message"]
+        assert "127.0.0.1" not in err["message"] and "http" not in err["message"]
         h = await c.client.get("/health")
         assert h.status_code == 503  # the only pair cannot serve anything
         (inc,) = h.json()["incompatible"]
@@ -907,3 +907,143 @@ def test_module_entry_point_is_the_command_line(tmp_path):
     out = run([sys.executable, "-m", "kv_push.common.router", "--prefill", "http://p:1",
                "--decode", "http://d:2"])
     assert out.returncode == 2 and "kv=HOST:PORT" in out.stderr, out.stderr
+
+
+# -- what clients are told (OpenAI errors, no internal addresses) --------------------------------
+
+VLLM_400 = {"error": {"message": "max_tokens=5000 cannot be greater than the remaining context "
+                                 "(2048 tokens)", "type": "BadRequestError",
+                      "param": "max_tokens", "code": 400}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_4xx_with_an_openai_body_reaches_the_client_as_vllm_wrote_it(stream: bool):
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.fail_status, d.behavior.error_body = 400, VLLM_400
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream,
+                                                             max_tokens=5000))
+        assert r.status_code == 400 and r.json() == VLLM_400  # status, message, type, param, code
+        assert r.headers["x-request-id"]
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "http_4xx"), ("leg", "decode")))] == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_when_both_legs_reject_a_request_the_client_gets_decodes_answer():
+    """P answers first (its leg is smaller), but the client's answer is D's: D has the
+    client's own body, as a single server would."""
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.fail_status = 400
+        p.behavior.error_body = {"error": {"message": "P says no", "type": "BadRequestError",
+                                           "param": None, "code": 400}}
+        d.behavior.fail_status, d.behavior.error_body = 400, VLLM_400
+        d.behavior.delay = 0.2
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 400 and r.json() == VLLM_400
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_a_4xx_from_prefill_alone_is_the_clients_if_decode_never_answers():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p_err = {"error": {"message": "P says no", "type": "BadRequestError", "param": "x",
+                           "code": 422}}
+        p.behavior.fail_status, p.behavior.error_body = 422, p_err
+        d.behavior.delay = 30.0  # D waits for KV that never comes
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 422 and r.json() == p_err
+        await eventually(lambda: bool(d.records) and d.records[0].disconnected,
+                         "D leg to be cancelled")
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_error_messages_name_the_leg_not_its_address():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.fail_status, d.behavior.delay = 500, 5.0
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500
+        assert r.json()["error"] == {"message": "the prefill server returned HTTP 500: p0 failed",
+                                     "type": "prefill_error", "code": 500}
+        p.behavior.error_body = {"error": {"message": "KV store at 10.2.3.4:7000 is gone",
+                                           "type": "InternalServerError", "code": 500}}
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["message"] == (
+            "the prefill server returned HTTP 500: KV store at <address> is gone")
+        p.behavior.fail_status, d.behavior.delay, d.behavior.n_chunks = None, 0.0, 0
+        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
+        assert r.status_code == 502 and "127.0.0.1" not in r.text and "http:" not in r.text
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_a_secret_on_prefill_only_is_reported_to_the_client_and_health():
+    """P has KV_PUSH_SECRET, D has not: D refuses P's Challenge and counts it like a refusal
+    by P (``handshake_refusals``, the label the decoder makes: test_side_channel's
+    test_a_refusal_decided_by_the_decoder_is_counted_like_one_by_the_producer). The client
+    learns what differs (not where), /health which pair."""
+    reason = (f"secret_mismatch: the producer at 127.0.0.1:{KV_BASE_PORT} uses a shared secret "
+              "but this decoder has none: set KV_PUSH_SECRET (or secret_file) on both sides or "
+              "neither")
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.fail_status = 500  # vLLM: "Internal server error"
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", reason)
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "incompatible_peers"
+        assert reason.replace(f"127.0.0.1:{KV_BASE_PORT}", "<address>") in err["message"]
+        assert "127.0.0.1" not in err["message"]
+        h = await c.client.get("/health", params={"probe": "1"})
+        assert h.status_code == 503
+        (inc,) = h.json()["incompatible"]
+        assert inc["reason"] == reason and inc["kv"] == f"127.0.0.1:{KV_BASE_PORT}"
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+def test_a_refusal_told_to_clients_carries_no_address():
+    from kv_push.common.router.compat import Incompatibility
+    inc = Incompatibility("http://10.1.2.3:8100", "10.1.2.3:5600", "http://d.svc:8200",
+                          "unauthenticated: the decoder at 10.9.8.7:41234 has no shared secret; "
+                          "producer at [fe80::1]:5601, p-0.prefill.svc:5600, localhost:1")
+    text = inc.client_message()
+    assert "no shared secret" in text and "unauthenticated" in text
+    for leak in ("10.", "fe80", "svc", "localhost", "8100", "8200"):
+        assert leak not in text, (leak, text)
+    assert "10.1.2.3:5600" in inc.message()  # the operator's log keeps them
+
+
+# -- fanout: P prefills once for n samples -------------------------------------------------------
+
+
+async def test_n_samples_are_one_prefill_with_fanout(monkeypatch):
+    from kv_push.common.connector_scheduler import MAX_FANOUT, TransferParams
+
+    from kv_push.common.router import app as router_app
+
+    assert router_app.MAX_FANOUT == MAX_FANOUT
+    monkeypatch.setenv("KV_PUSH_SECRET", "router-secret")
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        status, _, headers = await post(c, "/v1/completions", dict(COMPLETION, n=3, seed=7))
+        assert status == 200
+        await eventually(lambda: bool(p.records) and p.records[0].completed, "P leg")
+        (prec,), (drec,) = p.records, d.records
+        assert prec.body["n"] == 1 and drec.body["n"] == 3 and drec.body["seed"] == 7
+        pp = TransferParams.parse(prec.kv, b"router-secret")  # fanout is signed
+        assert (pp.transfer_id, pp.do_remote_decode, pp.fanout) == (
+            headers["x-request-id"], True, 3)
+        assert TransferParams.parse(drec.kv, b"router-secret").fanout == 1
+        with pytest.raises(ValueError):  # a changed fanout breaks the signature
+            TransferParams.parse(dict(prec.kv, fanout=2), b"router-secret")
+        # beam search (n is the beam width) and n=1 go as they are
+        for body in (dict(COMPLETION, n=2, use_beam_search=True), dict(COMPLETION, n=1)):
+            assert (await post(c, "/v1/completions", body))[0] == 200
+        await eventually(lambda: len(p.records) == 3 and p.records[-1].completed, "P legs")
+        assert [r.body.get("n") for r in p.records[1:]] == [2, 1]
+        assert all("fanout" not in r.kv for r in p.records[1:])
+        await eventually(lambda: all_idle(c), "router to be idle")

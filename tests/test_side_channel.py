@@ -39,6 +39,7 @@ from kv_push.common.config import PushConfig
 from kv_push.common.producer import Producer
 from kv_push.common.side_channel import (
     HandshakeError,
+    HandshakeRefused,
     ReleaseFailed,
     SideChannelServer,
     handshake,
@@ -232,19 +233,34 @@ def test_an_error_while_answering_is_a_refusal_not_a_hang(server):
         handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)
 
 
-@pytest.mark.parametrize("server_secret,client_secret,reason", [
-    (b"right", b"wrong", "bad_mac"),
-    (b"right", None, "unauthenticated"),
+@pytest.mark.parametrize("server_secret,client_secret,reason,decoder_reason", [
+    (b"right", b"wrong", "bad_mac", "bad_mac"),
+    (b"right", None, "unauthenticated", "secret_mismatch"),
+    (None, b"mine", "secret_mismatch", "unauthenticated"),
 ])
 def test_a_handshake_with_the_wrong_secret_is_refused(server, server_secret, client_secret,
-                                                      reason):
+                                                      reason, decoder_reason):
     s = server(secret=server_secret)
-    with pytest.raises(HandshakeError):
+    with pytest.raises(HandshakeRefused) as e:
         handshake("127.0.0.1", s.port, HELLO, Codec(client_secret), WAIT)
-    # the decoder refuses the Challenge first; the producer counts that Refused when it arrives
+    # the decoder refuses the Challenge first: a refusal decided here, with its label and why
+    assert e.value.rejected == decoder_reason
+    assert e.value.reason.startswith(f"{decoder_reason}: the producer ")
+    assert "refused here" in str(e.value) and f"127.0.0.1:{s.port}" in str(e.value)
+    # the producer counts that Refused when it arrives
     assert wait_until(lambda: s.rejects)
     assert [r for r, _ in s.rejects] == [reason]
     assert s.hellos == []  # never reached the producer
+
+
+def test_a_refusal_by_the_producer_is_not_marked_as_decided_here(server):
+    def refuse(hello):
+        raise MessageRejected("bad_layout", "head_size differs")
+
+    s = server(refuse)
+    with pytest.raises(HandshakeRefused) as e:
+        handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)
+    assert e.value.rejected is None and e.value.reason == "bad_layout: head_size differs"
 
 
 def test_the_server_refuses_anything_but_hello(server):
@@ -425,6 +441,37 @@ def test_roles_handshake_over_the_side_channel_and_the_lifeline_reaches_the_deco
     assert decoder.outcomes.get_nowait() == Outcome("req-1", "failed",
                                                     "producer P rank 0 is dead")
     assert d.thread.peer("P") is None and d.count("peers_dead") == 1
+    decoder.close()
+
+
+@pytest.mark.parametrize("producer_secret,decoder_secret,decided", [
+    (b"s3cret", None, "secret_mismatch"),  # the new-user case: KV_PUSH_SECRET on P only
+    (None, b"s3cret", "unauthenticated"),
+    (b"s3cret", b"other", "bad_mac"),
+])
+def test_a_refusal_decided_by_the_decoder_is_counted_like_one_by_the_producer(
+        server, producer_secret, decoder_secret, decided):
+    """A secret on one side only: the decoder rejects the producer's Challenge. It counts that in
+    ``rejected{reason}`` and in ``handshake_refusals{P_HOST:P_PORT reason}`` (what the router
+    reads), as it counts a producer's ``Refused``, and the request fails with the reason."""
+    s = server(secret=producer_secret)
+    wire, clock = Wire(), FakeClock()
+    d = Node(wire, clock, "D", GEOM, role_config(secret=decoder_secret or b""))
+    decoder = Decoder(d.thread, executor=InlineExecutor())  # the real side_channel.handshake
+    d.thread.add_role(decoder)
+    d.thread.submit(lambda: decoder.expect("req-1", "t1", 0, ("127.0.0.1", s.port),
+                                           (2, 3), 0, 8))
+    d.step()  # dials and is refused (by itself)
+    assert wait_until(lambda: not decoder.outcomes.empty(), step=d.step)
+    outcome = decoder.outcomes.get_nowait()
+    assert outcome.kind == "failed" and f"{decided}: the producer " in outcome.reason
+    assert d.count("rejected", label=decided) == 1
+    refusals = {k: v for k, v in d.counters.snapshot().items()
+                if k.startswith("handshake_refusals{")}
+    ((label, count),) = refusals.items()
+    assert count == 1 and label.startswith(f"handshake_refusals{{127.0.0.1:{s.port} {decided}: ")
+    assert d.count("handshake_failures") == 1
+    assert wait_until(lambda: s.rejects) and s.hellos == []  # and P heard why
     decoder.close()
 
 

@@ -44,18 +44,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import generate_latest
 
 from kv_push.common.auth import TransferParamsSigner
-from kv_push.common.router.compat import PairCompat, parse_refusals
+from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.router.release import ReleaseSender
 
 logger = logging.getLogger("kv_push.router")
 
+#: the most decoder requests one prefill may serve: the connector's ``MAX_FANOUT`` (pinned by
+#: test_router; the router imports nothing from the connector core)
+MAX_FANOUT = 1024
+
 # The P leg's kv_transfer_params in pull mode, as vLLM's example proxy sends them.
 PULL_PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None,
 }
+#: (push, upstream-push) after P rejected a request with a 4xx, how long D may take to answer
+#: before P's error is the client's: a request both reject gets D's error, as a single server
+#: would answer (D has the client's body; P's has max_tokens=1, n=1, no stream)
+DECODE_ANSWER_GRACE_S = 1.0
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -95,15 +103,20 @@ def _error_response(status: int, message: str, kind: str, tid: str | None = None
 
 class UpstreamError(Exception):
     """A failed leg, carrying what the client should get (``error_type``: the body's ``type``,
-    ``<leg>_error`` unless given)."""
+    ``<leg>_error`` unless given). ``message`` names no backend (those go to the log only);
+    ``body``: the backend's own OpenAI-style error body, sent to the client as it is."""
 
     def __init__(self, leg: str, kind: str, status: int, message: str,
-                 error_type: str | None = None) -> None:
+                 error_type: str | None = None, body: dict | None = None) -> None:
         super().__init__(message)
         self.leg, self.kind, self.status, self.message = leg, kind, status, message
         self.error_type = error_type or f"{leg}_error"
+        self.body = body
 
     def to_response(self, tid: str | None) -> JSONResponse:
+        if self.body is not None:  # as vLLM wrote it: message, type, param, code
+            return JSONResponse(self.body, status_code=self.status,
+                                headers={"X-Request-Id": tid} if tid else None)
         return _error_response(self.status, self.message, self.error_type, tid)
 
 
@@ -117,14 +130,18 @@ class EmptyStream(Exception):
     ``data: [DONE]``."""
 
 
-def _upstream_message(resp: httpx.Response) -> str:
-    """The error message in an upstream error body (OpenAI or vLLM style), else the raw text."""
+def _upstream_message(resp: httpx.Response) -> tuple[str, dict | None]:
+    """The error message in an upstream error body, else the raw text; and the body itself when
+    it is an OpenAI-style error (``{"error": {"message", "type", ...}}``, or vLLM's older flat
+    ``{"object": "error", "message", "type", "param", "code"}``)."""
     try:
         data = resp.json()
         err = data.get("error", data)
-        return str((err.get("message") if isinstance(err, dict) else err) or data)
+        message = str((err.get("message") if isinstance(err, dict) else err) or data)
     except (ValueError, AttributeError):
-        return resp.text[:500]
+        return resp.text[:500], None
+    openai = isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err
+    return message, data if openai else None
 
 
 async def _wait_disconnect(receive: Any) -> None:
@@ -305,25 +322,34 @@ class Router:
 
     def failure(self, ex: Exchange | None, leg: str, url: str, exc: Exception | httpx.Response
                ) -> UpstreamError:
-        """Classify a failure, count and log it once, and build the client's error."""
+        """Classify a failure, count and log it once, and build the client's error.
+
+        The log line names the backend; the client's error never does (nor the exception, which
+        may carry an address): it says which leg failed and how. An upstream 4xx with an
+        OpenAI-style error body goes to the client as the backend wrote it."""
+        server, body = f"the {leg} server", None
         if isinstance(exc, httpx.Response):
             kind, status = f"http_{exc.status_code // 100}xx", exc.status_code
-            msg = f"{leg} backend {url} returned HTTP {status}: {_upstream_message(exc)}"
+            upstream, error_body = _upstream_message(exc)
+            msg = f"{server} returned HTTP {status}: {without_addresses(upstream)}"
+            if status < 500:
+                body = error_body
         elif isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-            kind, status, msg = "timeout", 504, f"{leg} backend {url} timed out: {exc!r}"
+            kind, status, msg = "timeout", 504, f"{server} timed out"
         elif isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-            kind, status, msg = "connect", 502, f"cannot connect to {leg} backend {url}: {exc!r}"
+            kind, status, msg = "connect", 502, f"cannot connect to {server}"
         elif isinstance(exc, EmptyStream):
             kind, status, msg = "empty_stream", 502, (
-                f"{leg} backend {url} ended the stream without any output (the request failed "
-                "there; its log says why)")
+                f"{server} ended the stream without any output (the request failed there; its "
+                "log says why)")
         elif isinstance(exc, ValueError):
-            kind, status, msg = "bad_response", 502, f"{leg} backend {url} sent bad JSON: {exc}"
+            kind, status, msg = "bad_response", 502, f"{server} sent a response that is not JSON"
         else:
-            kind, status, msg = "transport", 502, f"{leg} backend {url} failed: {exc!r}"
+            kind, status, msg = "transport", 502, f"{server} failed ({type(exc).__name__})"
         self.metrics.upstream_errors.labels(leg=leg, kind=kind).inc()
-        logger.warning("tid=%s %s leg failed (%s): %s", ex.tid if ex else "-", leg, kind, msg)
-        return UpstreamError(leg, kind, status, msg)
+        logger.warning("tid=%s %s leg failed (%s): %s backend %s: %s", ex.tid if ex else "-",
+                       leg, kind, leg, url, msg if isinstance(exc, httpx.Response) else repr(exc))
+        return UpstreamError(leg, kind, status, msg, body=body)
 
     def release(self, ex: Exchange) -> None:
         """(push mode) ``ex`` ended without D's output: D's engine may never have seen it, so
@@ -430,7 +456,7 @@ class Router:
             if found is not None:
                 self.metrics.upstream_errors.labels(leg="decode", kind="incompatible").inc()
                 logger.warning("tid=%s decode leg failed: %s", ex.tid, found.message())
-                raise UpstreamError("decode", "incompatible", 500, found.message(),
+                raise UpstreamError("decode", "incompatible", 500, found.client_message(),
                                     "incompatible_peers")
             if attempt < 2:
                 await asyncio.sleep(0.2)
@@ -452,15 +478,27 @@ class Router:
     # -- dispatch ------------------------------------------------------------------------------
 
     def _prefill_body(self, ex: Exchange) -> dict:
-        """The P leg's body: one token, not streamed, with the mode's ``kv_transfer_params``."""
+        """The P leg's body: one token, not streamed, with the mode's ``kv_transfer_params``.
+
+        push mode, ``n > 1``: P prefills each prompt once (``n: 1``) and each prefill serves the
+        ``n`` samples D makes of it (``fanout: n``, covered by the signature). Not with beam
+        search (vLLM runs it as its own requests; ``n`` is the beam width there) nor with a
+        ``best_of`` (vLLM 0.32's completions API has none; whoever has one gets the body as is).
+        """
         body = dict(ex.body, max_tokens=1, stream=False)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):  # min_tokens > 1 would make vLLM reject it
             body.pop(key, None)
-        body["kv_transfer_params"] = (
-            self.signer.sign({"transfer_id": ex.tid, "do_remote_decode": True})
-            if self.config.mode == "push" else dict(PULL_PREFILL_PARAMS))
+        if self.config.mode != "push":
+            body["kv_transfer_params"] = dict(PULL_PREFILL_PARAMS)
+            return body
+        params: dict[str, Any] = {"transfer_id": ex.tid, "do_remote_decode": True}
+        n = body.get("n")
+        if (type(n) is int and 1 < n <= MAX_FANOUT and not body.get("use_beam_search")
+                and body.get("best_of") is None):
+            body["n"], params["fanout"] = 1, n
+        body["kv_transfer_params"] = self.signer.sign(params)
         return body
 
     def _decode_params(self, ex: Exchange) -> dict | None:
@@ -509,8 +547,16 @@ class Router:
         d_body = dict(ex.body, kv_transfer_params=d_params)
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
         waiting: set[asyncio.Future] = {ex.p_task, ex.d_task, ex.disconnect}
+        p_error: UpstreamError | None = None  # P's 4xx, while D may still answer
+        loop = asyncio.get_running_loop()
+        deadline = 0.0
         while True:
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if p_error is None else max(0.0, deadline - loop.time())
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=timeout)
+            if not done:  # D did not answer in time: P's error is the client's
+                assert p_error is not None
+                raise p_error
             if ex.disconnect in done:
                 raise ClientGone
             if ex.d_task in done:
@@ -523,8 +569,14 @@ class Router:
                 else:
                     ex.p_task.add_done_callback(self._note_late_prefill)
                 return stream
-            ex.p_task.result()  # a P failure before D's output raises here; close() cancels D
             waiting.discard(ex.p_task)
+            try:
+                ex.p_task.result()  # a P failure before D's output raises; close() cancels D
+            except UpstreamError as err:
+                if not 400 <= err.status < 500:
+                    raise
+                # P rejected the request: D's answer (to the client's own body) is preferred
+                p_error, deadline = err, loop.time() + DECODE_ANSWER_GRACE_S
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         """Serve one completions / chat completions request."""

@@ -24,6 +24,17 @@ from dataclasses import dataclass
 logger = logging.getLogger("kv_push.router")
 
 REFUSALS_METRIC = "vllm:kv_push_handshake_refusals_total"
+# what reads as a network address in a refusal's text: a URL, IPv4[:port], [IPv6]:port, host:port
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s,;()\]]+"
+                      r"|\[[0-9a-fA-F:.]+\](?::\d+)?"
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+                      r"|\b(?:localhost|[a-zA-Z][\w-]*(?:\.[\w-]+)+):\d{1,5}\b")
+
+
+def without_addresses(text: str) -> str:
+    """``text`` with network addresses (URLs, host:port, IPs) replaced by ``<address>``: what a
+    client may read of a refusal (the operator gets the addresses in the log and ``/health``)."""
+    return _ADDRESS.sub("<address>", text)
 _REASON = re.compile(r'reason="((?:[^"\\]|\\.)*)"')
 _UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
@@ -63,6 +74,15 @@ class Incompatibility:
         return (f"prefill {self.prefill} (KV side channel {self.kv}) and decode {self.decode} "
                 f"are incompatible, so no request can be served by this pair until one of them "
                 f"is reconfigured: {self.reason}")
+
+    def client_message(self) -> str:
+        """``message`` without addresses: what differs, not where (for the client's error)."""
+        reason = self.reason
+        for known in (self.prefill, self.kv, self.decode):
+            reason = reason.replace(known, "<address>")
+        return ("the prefill and decode servers picked for this request are incompatible, so no "
+                "request can be served by this pair until one of them is reconfigured: "
+                + without_addresses(reason))
 
     def as_dict(self) -> dict[str, str]:
         return {"prefill": self.prefill, "kv": self.kv, "decode": self.decode,
