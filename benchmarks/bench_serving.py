@@ -135,13 +135,17 @@ class Stack:
             return time.monotonic() - t0
         kv_port = self.ports()
         engine_id = f"upstream-p-{kv_port}" if self.router_mode == "upstream-push" else None
+        # vLLM's connectors: P holds a finished prefill's blocks for kv_lease_duration (30 s by
+        # default) -- on a loaded 2-core box a first request's handshake can take longer. Ours
+        # holds them for rendezvous_ttl_s (120 s); both vLLM systems get the same.
+        extra = None if connector == "push" else {"kv_lease_duration": a.vllm_kv_lease_s}
         p = self._add(vllm_server("prefill", python=a.python, model=a.model, port=self.ports(),
                                   cpu=a.p_cpu, log_dir=self.log_dir, kv_role="kv_producer",
-                                  kv_port=kv_port, connector=connector,
+                                  kv_port=kv_port, connector=connector, extra_config=extra,
                                   max_model_len=a.max_model_len, engine_id=engine_id))
         d = self._add(vllm_server("decode", python=a.python, model=a.model, port=self.ports(),
                                   cpu=a.d_cpu, log_dir=self.log_dir, kv_role="kv_consumer",
-                                  kv_port=self.ports(), connector=connector,
+                                  kv_port=self.ports(), connector=connector, extra_config=extra,
                                   max_model_len=a.max_model_len))
         p.wait_healthy(a.start_timeout)
         d.wait_healthy(a.start_timeout)
@@ -236,7 +240,16 @@ def point_seconds(pt: dict, args: argparse.Namespace) -> float:
     """A rough duration of one point, for the budget."""
     if pt["sweep"] == CONC1:
         return args.conc1_requests * 0.5 + 2
-    return args.requests / pt["rate"] + 5
+    return requests_of(pt, args) / pt["rate"] + 5
+
+
+def requests_of(pt: dict, args: argparse.Namespace) -> int:
+    """Requests of a point per pass: a rate point lasts about --point-s seconds of arrivals
+    (at least --min-requests requests), so the completion-rate check sees a window long
+    against the latency's spread at every rate."""
+    if pt["sweep"] == CONC1:
+        return args.conc1_requests
+    return max(args.min_requests, math.ceil(pt["rate"] * args.point_s))
 
 
 def run_stack(system: str, pas: int, attempt: int, args: argparse.Namespace,
@@ -284,7 +297,7 @@ def run_stack(system: str, pas: int, attempt: int, args: argparse.Namespace,
                 log(f"  {system}#{pas} {key}: skipped (time budget)")
                 continue
             seed = args.seed * 1000 + pas * 100 + j
-            n = args.conc1_requests if pt["sweep"] == CONC1 else args.requests
+            n = requests_of(pt, args)
             prompts = make_prompts(n, pt["prompt_len"], vocab, seed)
             load0, eng0 = raw_loadavg(), stack.engine_timings()
             t0 = time.monotonic()
@@ -394,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     monitor = LoadMonitor(interval=1.0).start()
     ports = Ports(args.port_base)
     log(f"systems {args.systems}, order {' '.join(f'{s}#{p}' for s, p in seq)}, "
-        f"{len(points)} points ({args.requests} requests per rate point, "
+        f"{len(points)} points (rate points {args.point_s:g}s of arrivals, at least "
+        f"{args.min_requests} requests; "
         f"{args.conc1_requests} at concurrency 1), budget {args.budget_s:.0f}s, load rule "
         f"{args.load_rule} (cores {args.cores}), load now {raw_loadavg()}; logs {log_root}")
     result: dict[str, Any] = {
@@ -586,7 +600,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="smoke: one round, rates 2,8, 8 requests per point (~6-8 min)")
+                    help="smoke: one round, rates 2,8, 4 s per rate point (~6-10 min)")
     ap.add_argument("--systems", default="pull,push,upstream-push,single",
                     help="order of round 1 (round 2 is reversed); pull first so its "
                          "saturation rate is known before the others run")
@@ -594,8 +608,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rates", default=None,
                     help="req/s of the rate sweep (default 1,2,4,8,16,32; --quick 2,8)")
     ap.add_argument("--rate-prompt-len", type=int, default=512)
-    ap.add_argument("--requests", type=int, default=None,
-                    help="requests per rate point per pass (default 24; --quick 8)")
+    ap.add_argument("--point-s", type=float, default=None,
+                    help="seconds of arrivals per rate point and pass: rate x this requests "
+                         "(default 10; --quick 4)")
+    ap.add_argument("--min-requests", type=int, default=None,
+                    help="at least this many requests per rate point and pass (default 10; "
+                         "--quick 6)")
     ap.add_argument("--conc1-requests", type=int, default=None,
                     help="requests of the concurrency-1 point per pass (default 16; --quick 6)")
     ap.add_argument("--lengths", default="",
@@ -616,6 +634,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--upstream-mode", choices=("concurrent", "serial"), default="concurrent",
                     help="upstream push's router: concurrent = --mode upstream-push (both legs "
                          "at once); serial = --mode pull (P, then D)")
+    ap.add_argument("--vllm-kv-lease-s", type=int, default=120,
+                    help="kv_lease_duration of vLLM's NixlConnector / NixlPushConnector (its "
+                         "default 30; ours holds a prefill for rendezvous_ttl_s = 120)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None,
                     help="model dir (default: the tiny model in .work/tiny-model, built if needed)")
@@ -643,7 +664,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     q = a.quick
     a.rates = [float(x) for x in (a.rates or ("2,8" if q else "1,2,4,8,16,32")).split(",")]
     a.lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
-    a.requests = a.requests or (8 if q else 24)
+    a.point_s = a.point_s or (4.0 if q else 10.0)
+    a.min_requests = a.min_requests or (6 if q else 10)
     a.conc1_requests = a.conc1_requests or (6 if q else 16)
     a.rounds = a.rounds or (1 if q else 2)
     a.budget_s = a.budget_s or (600.0 if q else 1320.0)
@@ -656,8 +678,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for n in a.lengths + [a.rate_prompt_len]:
         if n + a.output_len > a.max_model_len:
             ap.error(f"prompt length {n} + output {a.output_len} > max-model-len")
-    if a.requests < 3 or a.conc1_requests < 1:
-        ap.error("--requests must be >= 3 (the throughput check needs 3), --conc1-requests >= 1")
+    if a.min_requests < 3 or a.conc1_requests < 1:
+        ap.error("--min-requests must be >= 3 (the throughput check needs 3), "
+                 "--conc1-requests >= 1")
     a.plot = a.plot or str(Path(a.out).with_suffix(".png"))
     return a
 

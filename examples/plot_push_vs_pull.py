@@ -72,9 +72,13 @@ def percentile(values: list[float], q: float) -> float | None:
 def from_bench_serving(data: dict) -> Figures:
     fig = Figures()
     cfg, modes = data["config"], data.get("router_modes", {})
+    every = data.get("summary_including_discarded", {})
     for system, by_key in data.get("summary", {}).items():
         if modes.get(system) == ["pull"] and system != "pull":
             fig.labels[system] = ", serial legs"
+        if not by_key and every.get(system):  # every pass discarded by the load rule: say so
+            by_key = every[system]
+            fig.labels[system] = fig.labels.get(system, "") + ", load-discarded passes"
         pts = fig.points.setdefault(system, [])
         for p in data["points"]:
             s = by_key.get(p["key"])
@@ -214,9 +218,29 @@ def plot(fig_data: Figures, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    conc1 = {s: [p for p in pts if p.sweep == "conc1"] for s, pts in fig_data.points.items()}
+    conc1 = {s: pts[0] for s, pts in conc1.items() if pts}
+    ncols = 3 if conc1 else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.8))
     others = iter(OTHER_COLORS)
     styles = {s: STYLE.get(s) or (next(others, "black"), "x", s) for s in fig_data.points}
+    if conc1:  # bench_serving.py's concurrency-1 point: one bar pair per system
+        ax, axes = axes[0], axes[1:]
+        names = list(conc1)
+        for i, system in enumerate(names):
+            p = conc1[system]
+            for j, (q, alpha) in enumerate((("p50", 1.0), ("p90", 0.5))):
+                v = getattr(p, f"ttft_{q}")
+                if v is not None:
+                    ax.bar(i + (j - 0.5) * 0.38, v * 1000, 0.36, color=styles[system][0],
+                           alpha=alpha)
+                    ax.text(i + (j - 0.5) * 0.38, v * 1000, f"{v * 1000:.0f}", ha="center",
+                            va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, fontsize=8)
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title("TTFT at concurrency 1 (p50 solid, p90 light)")
+        ax.grid(True, axis="y", alpha=0.3)
     for ax, sweep in zip(axes, SWEEPS):
         xlabel, xattr = SWEEPS[sweep]
         xs_all: set[float] = set()
@@ -243,7 +267,7 @@ def plot(fig_data: Figures, out: Path) -> None:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     handles, labels = axes[0].get_legend_handles_labels()
     if not handles:
-        handles, labels = axes[1].get_legend_handles_labels()
+        handles, labels = axes[-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     missing = [styles[s][2] for s, pts in fig_data.points.items() if not any(p.ok for p in pts)]
     if missing:

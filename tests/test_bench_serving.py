@@ -261,3 +261,11 @@ def test_parse_args_defaults_and_quick():
     assert pts[0]["sweep"] == "conc1" and [p["rate"] for p in pts[1:]] == sorted(a.rates)
     with pytest.raises(SystemExit):
         bs.parse_args(["--systems", "push,push"])
+
+
+def test_requests_per_point_follow_the_rate():
+    import bench_serving as bs
+    a = bs.parse_args(["--point-s", "10", "--min-requests", "8", "--conc1-requests", "5"])
+    assert bs.requests_of({"sweep": "rate", "rate": 0.5, "prompt_len": 1}, a) == 8
+    assert bs.requests_of({"sweep": "rate", "rate": 3.0, "prompt_len": 1}, a) == 30
+    assert bs.requests_of({"sweep": "conc1", "rate": 0.0, "prompt_len": 1}, a) == 5
