@@ -321,8 +321,8 @@ def run_stack(system: str, pas: int, attempt: int, args: argparse.Namespace,
             log(f"  {system:13s}#{pas} {key:22s} ok {s['ok']:3d}/{s['n']:<3d} "
                 f"TTFT p50 {fmt_ms(s['ttft']['p50'])} p90 {fmt_ms(s['ttft']['p90'])}  "
                 f"E2E p50 {fmt_ms(s['e2e']['p50'])}  ({t1 - t0:.0f}s; load raw "
-                f"{w['raw_1m_mean'] or 0:.1f} foreign {w['foreign_1m_mean'] or 0:.1f} own cpu "
-                f"{w['own_cpu_cores_mean'] or 0:.1f}; total {time.monotonic() - t_start:.0f}s)"
+                f"{f1(w['raw_1m_mean'])} foreign {f1(w['foreign_1m_mean'])} own cpu "
+                f"{f1(w['own_cpu_cores_mean'])}; total {time.monotonic() - t_start:.0f}s)"
                 + (f"  errors: {next(iter(s['error_kinds']))}" if s["errors"] else ""))
             if pt["sweep"] == CONC1:
                 conc1_p50 = s["ttft"]["p50"]
@@ -453,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def f1(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
 def fmt_ms(v: float | None) -> str:
     return "    -   " if v is None else f"{v * 1000:6.0f}ms"
 
@@ -507,27 +511,37 @@ def markdown_report(path: str) -> str:
 
     def ms(v):
         return "–" if v is None else f"{v * 1000:.0f}"
-    lines = ["| point | system | ok | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | E2E p50 "
-             "| E2E p90 | completed/offered | passes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for pt in data["points"]:
-        for system in systems:
-            s = data["summary"][system].get(pt["key"])
-            if not s:
-                continue
-            tr = s.get("throughput_ratio")
-            lines.append(
-                f"| {pt['key']} | {system} | {s['ok']}/{s['n']} | {ms(s['ttft']['p50'])} | "
-                f"{ms(s['ttft']['p90'])} | {ms(s['ttft']['p99'])} | {ms(s['tpot']['p50'])} | "
-                f"{ms(s['e2e']['p50'])} | {ms(s['e2e']['p90'])} | "
-                f"{'–' if tr is None else f'{tr:.2f}'} | "
-                f"{','.join(str(p) for p in s.get('passes', []))} |")
-    lines += ["", "| point | push/pull p50 | p90 | push/upstream-push p50 | p90 | push/single p50 "
-              "| p90 |", "|---|---|---|---|---|---|---|"]
-    for key, r in (data.get("ratios") or {}).items():
-        lines.append(f"| {key} | " + " | ".join(fmt_ratio(r[f"push_over_{b}_{q}"])
-                                                 for b in ("pull", "upstream_push", "single")
-                                                 for q in ("p50", "p90")) + " |")
+    lines: list[str] = []
+    tables = [("kept passes", data["summary"], data.get("ratios") or {})]
+    if any(not data["summary"][s] for s in systems) and data.get("summary_including_discarded"):
+        tables.append(("ALL passes, discarded ones included (load above the rule's limit: "
+                       "not a measurement to quote)", data["summary_including_discarded"],
+                       data.get("ratios_including_discarded") or {}))
+    for title, summary, ratios in tables:
+        lines += [f"Latency (ms), {title}:", "",
+                  "| point | system | ok | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | E2E p50 "
+                  "| E2E p90 | completed/offered | passes |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for pt in data["points"]:
+            for system in systems:
+                s = summary.get(system, {}).get(pt["key"])
+                if not s:
+                    continue
+                tr = s.get("throughput_ratio")
+                lines.append(
+                    f"| {pt['key']} | {system} | {s['ok']}/{s['n']} | {ms(s['ttft']['p50'])} | "
+                    f"{ms(s['ttft']['p90'])} | {ms(s['ttft']['p99'])} | "
+                    f"{ms(s['tpot']['p50'])} | {ms(s['e2e']['p50'])} | {ms(s['e2e']['p90'])} | "
+                    f"{'–' if tr is None else f'{tr:.2f}'} | "
+                    f"{','.join(str(p) for p in s.get('passes', []))} |")
+        lines += ["", f"TTFT ratios, {title}:", "",
+                  "| point | push/pull p50 | p90 | push/upstream-push p50 | p90 | push/single p50 "
+                  "| p90 |", "|---|---|---|---|---|---|---|"]
+        for key, r in ratios.items():
+            lines.append(f"| {key} | " + " | ".join(fmt_ratio(r[f"push_over_{b}_{q}"])
+                                                     for b in ("pull", "upstream_push", "single")
+                                                     for q in ("p50", "p90")) + " |")
+        lines.append("")
     g = data.get("goals") or {}
     if g:
         lines += ["", "| goal (TTFT) | statistic | ratio | target | met |",

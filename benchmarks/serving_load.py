@@ -191,9 +191,12 @@ class LoadMonitor:
             self._thread.join(5)
 
     def window(self, t0: float, t1: float) -> dict:
-        """Figures over [t0, t1]: means and maxima of every series, for the JSON."""
+        """Figures over [t0, t1]: means and maxima of every series, for the JSON (``samples``
+        counts those inside; with none, the nearest sample stands in)."""
         inside = [s for s in self.samples if t0 <= s["t"] <= t1]
         out: dict = {"samples": len(inside)}
+        if not inside and self.samples:  # a point shorter than the interval: the nearest one
+            inside = [min(self.samples, key=lambda s: min(abs(s["t"] - t0), abs(s["t"] - t1)))]
         for key in ("raw_1m", "foreign_1m", "own_runnable", "own_cpu_cores", "tasks_runnable"):
             vals = [s[key] for s in inside if s.get(key) is not None]
             out[f"{key}_mean"] = sum(vals) / len(vals) if vals else None

@@ -119,8 +119,15 @@ def pooled_summary(runs: list[dict], systems: list[str], keys: list[str]) -> dic
                     for q in r["requests"]]
             if reqs:
                 s = summarize(reqs)
-                s["passes"] = sorted({r["pass"] for r in runs
-                                      if r["system"] == system and r["point"] == key})
+                mine = [r for r in runs if r["system"] == system and r["point"] == key]
+                s["passes"] = sorted({r["pass"] for r in mine})
+                # rates only mean something per run (each run's arrivals start at 0), and not
+                # at all in a closed loop: the mean of the runs' own, None at concurrency 1
+                per_run = [rates(r["requests"]) for r in mine]
+                for k in ("offered_rps", "completed_rps", "throughput_ratio"):
+                    vals = [x[k] for x in per_run if x[k] is not None]
+                    s[k] = (sum(vals) / len(vals) if vals and not key.startswith(CONC1)
+                            else None)
                 out[system][key] = s
     return out
 

@@ -220,8 +220,12 @@ def plot(fig_data: Figures, out: Path) -> None:
 
     conc1 = {s: [p for p in pts if p.sweep == "conc1"] for s, pts in fig_data.points.items()}
     conc1 = {s: pts[0] for s, pts in conc1.items() if pts}
-    ncols = 3 if conc1 else 2
-    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.8))
+    sweeps = [sw for sw in SWEEPS  # bench_serving.py runs no length sweep by default
+              if sw == "rate" or any(p.sweep == sw for pts in fig_data.points.values()
+                                     for p in pts)]
+    ncols = len(sweeps) + (1 if conc1 else 0)
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.8), squeeze=False)
+    axes = list(axes[0])
     others = iter(OTHER_COLORS)
     styles = {s: STYLE.get(s) or (next(others, "black"), "x", s) for s in fig_data.points}
     if conc1:  # bench_serving.py's concurrency-1 point: one bar pair per system
@@ -241,7 +245,7 @@ def plot(fig_data: Figures, out: Path) -> None:
         ax.set_ylabel("TTFT (ms)")
         ax.set_title("TTFT at concurrency 1 (p50 solid, p90 light)")
         ax.grid(True, axis="y", alpha=0.3)
-    for ax, sweep in zip(axes, SWEEPS):
+    for ax, sweep in zip(axes, sweeps):
         xlabel, xattr = SWEEPS[sweep]
         xs_all: set[float] = set()
         for system, pts in fig_data.points.items():

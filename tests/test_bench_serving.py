@@ -122,6 +122,17 @@ def test_pooled_summary_skips_discarded_passes():
     assert ss.pooled_summary(runs, ["push"], K)["push"][K[1]]["n"] == 15
 
 
+def test_pooled_rates_are_per_run_means_and_none_at_concurrency_1():
+    # two passes at 1 req/s whose arrivals both start at 0: pooled naively they would look
+    # like 2 req/s offered
+    runs = [run("push", K[1], [0.1] * 5, pas=1), run("push", K[1], [0.1] * 5, pas=2),
+            run("push", K[0], [0.1] * 5, pas=1)]
+    s = ss.pooled_summary(runs, ["push"], K)["push"]
+    assert s[K[1]]["offered_rps"] == pytest.approx(1.0)
+    assert s[K[1]]["throughput_ratio"] == pytest.approx(1.0)
+    assert s[K[0]]["throughput_ratio"] is None
+
+
 def test_goals_at_highest_rate_with_both_push_and_pull():
     runs = []
     for key, push, pull, up in ((K[0], 0.05, 0.1, 0.08), (K[1], 0.1, 0.2, 0.1),
@@ -219,6 +230,8 @@ def test_monitor_counts_only_foreign_tasks(tmp_path):
     assert s2["own_cpu_cores"] is not None and s2["own_cpu_cores"] > 0
     w = mon.window(s["t"], s2["t"])
     assert w["samples"] == 2 and w["own_runnable_max"] == 3
+    later = mon.window(s2["t"] + 0.1, s2["t"] + 0.2)  # no sample inside: the nearest
+    assert later["samples"] == 0 and later["own_runnable_mean"] == 3
 
 
 # -- client pieces -------------------------------------------------------------------------------
