@@ -23,8 +23,8 @@ Points of each pass: a concurrency-1 point (closed loop, one request at a time),
 sweep (open-loop Poisson, exact distinct token-id prompts) in rising order. Pull saturates at
 the first rate whose TTFT p50 exceeds ``--saturation-factor`` x its concurrency-1 p50, or whose
 completion rate falls below ``--saturation-throughput`` x the offered rate; no pass starts a
-rate above the lowest saturating rate of a kept pull pass, and pull's pass stops raising its
-rate there.
+rate above the lowest saturating rate of a kept pull pass (of a discarded one while no kept
+pass has saturated), and pull's own pass stops raising its rate there.
 
 Load discipline (``serving_load.py``): the 1-minute load is sampled every second; a pass whose
 mean load over its points exceeds the number of cores is discarded (its runs stay in the JSON,
@@ -284,7 +284,8 @@ def run_stack(system: str, pas: int, attempt: int, args: argparse.Namespace,
         stop_rates = False
         for j, pt in enumerate(points):
             key = point_key(pt)
-            cap = rate_cap(result["saturations"])
+            # pull sweeps until it saturates itself; the others stop at pull's saturation
+            cap = None if system == "pull" else rate_cap(result["saturations"])
             if pt["sweep"] == "rate" and (stop_rates or (cap is not None and pt["rate"] > cap)):
                 why = ("pull saturated at a lower rate in this pass" if stop_rates else
                        f"above pull's saturation rate {cap:g}")
@@ -358,8 +359,9 @@ def run_stack(system: str, pas: int, attempt: int, args: argparse.Namespace,
             info["discarded"], info["load_verdict"] = False, "no points ran"
         for r in runs:
             r["discarded"] = info["discarded"]
-        if system == "pull" and info.get("saturated_at") and not info["discarded"]:
+        if system == "pull" and info.get("saturated_at"):
             result["saturations"].append({"system": "pull", "pass": pas, "attempt": attempt,
+                                          "discarded": info["discarded"],
                                           **info["saturated_at"]})
         d = info["d_prompt_tokens_during_points"]
         log(f"  {system}#{pas}: {info['load_verdict']} ({args.load_rule} rule)"
@@ -576,7 +578,7 @@ def markdown_report(path: str) -> str:
                      f"{f1(w.get('raw_1m_mean'))} | {f1(w.get('foreign_1m_mean'))} | "
                      f"{f1(w.get('own_cpu_cores_mean'))} | {verdict} |")
     sat = data.get("pull_saturation_rate")
-    lines += ["", f"Pull's saturation rate (lowest of kept passes): "
+    lines += ["", f"Pull's saturation rate (lowest of kept passes, else of discarded ones): "
               f"{'not reached' if sat is None else f'{sat:g} req/s'}; "
               f"{len([k for k in data.get('skipped', [])])} points skipped."]
     return "\n".join(lines)

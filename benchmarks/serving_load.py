@@ -150,11 +150,19 @@ class LoadMonitor:
 
     def sample(self) -> dict:
         now = time.monotonic()
+        pids = self._own_pids(now)
+        # the scan of our tasks takes a while (hundreds of threads): read the machine's count
+        # before and after it and take the mean, so that neither side is skewed in time
         try:
-            total = parse_proc_stat((self.proc / "stat").read_text())
+            before = parse_proc_stat((self.proc / "stat").read_text())
         except (OSError, ValueError):
-            total = None
-        own, own_cpu = self._own_tasks(self._own_pids(now))
+            before = None
+        own, own_cpu = self._own_tasks(pids)
+        try:
+            after = parse_proc_stat((self.proc / "stat").read_text())
+        except (OSError, ValueError):
+            after = None
+        total = None if before is None or after is None else (before + after) / 2
         raw = raw_loadavg()
         foreign_now = None if total is None else max(0, total - own)
         if self._foreign is None:  # seeded before any server of ours runs

@@ -196,8 +196,12 @@ def goal_figures(summary: dict, points: list[dict]) -> dict:
 
 
 def rate_cap(saturations: list[dict]) -> float | None:
-    """The lowest rate at which a pull pass saturated (no point above it is started)."""
-    rs = [s["rate"] for s in saturations if s.get("system") == "pull"]
+    """The rate above which the other systems start no point: the lowest rate at which a kept
+    pull pass saturated, or, while no kept pull pass has, a discarded one (so a loaded machine
+    still bounds the run; a later kept pass then decides)."""
+    pull = [s for s in saturations if s.get("system") == "pull"]
+    good = [s["rate"] for s in pull if not s.get("discarded")]
+    rs = good or [s["rate"] for s in pull]
     return min(rs) if rs else None
 
 

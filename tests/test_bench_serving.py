@@ -90,6 +90,11 @@ def test_rate_cap_is_pulls_lowest_saturation():
     sats = [{"system": "pull", "rate": 16.0}, {"system": "pull", "rate": 8.0},
             {"system": "push", "rate": 1.0}]
     assert ss.rate_cap(sats) == 8.0
+    # a discarded pass caps only while no kept one has saturated
+    sats = [{"system": "pull", "rate": 2.0, "discarded": True}]
+    assert ss.rate_cap(sats) == 2.0
+    sats.append({"system": "pull", "rate": 8.0, "discarded": False})
+    assert ss.rate_cap(sats) == 8.0
 
 
 # -- pooling and goals ---------------------------------------------------------------------------
