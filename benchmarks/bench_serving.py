@@ -544,8 +544,9 @@ def markdown_report(path: str) -> str:
                                                      for b in ("pull", "upstream_push", "single")
                                                      for q in ("p50", "p90")) + " |")
         lines.append("")
-    g = data.get("goals") or {}
+    g = dict(data.get("goals") or {})
     if g:
+        g["highest_load_point"] = g.get("highest_load_point") or "the highest load (no data)"
         lines += ["", "| goal (TTFT) | statistic | ratio | target | met |",
                   "|---|---|---|---|---|"]
         for q in ("p50", "p90"):
@@ -569,7 +570,8 @@ def markdown_report(path: str) -> str:
         return "–" if v is None else f"{v:.2f}"
     for s in data.get("stacks", []):
         w = s.get("load") or {}
-        verdict = s.get("error", "")[:80] or s.get("load_verdict", "")
+        verdict = (s.get("error", "")[:80] or s.get("load_verdict", "")
+                   or "not finished (interrupted)")
         if s.get("discarded"):
             verdict += " (discarded)"
         lines.append(f"| {s['system']}#{s['pass']}.{s.get('attempt', 1)} | "
