@@ -243,6 +243,7 @@ def plot(fig_data: Figures, out: Path) -> None:
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, fontsize=8)
         ax.set_ylabel("TTFT (ms)")
+        ax.set_yscale("log")
         ax.set_title("TTFT at concurrency 1 (p50 solid, p90 light)")
         ax.grid(True, axis="y", alpha=0.3)
     for ax, sweep in zip(axes, sweeps):
