@@ -46,7 +46,8 @@ Lifetimes (the fencing rules apply to slots too):
 
 Threading: everything here runs on the transfer thread, except :meth:`StagedSender.marker`
 (the engine thread records the ordering event; it never synchronizes). The ops are injected
-(:class:`StagingOps`); :class:`TorchStagingOps` is the real one, tests use fakes.
+(:class:`StagingOps`); :class:`TorchStagingOps` is the real one (fused Triton kernels or torch ops,
+``staging_triton.select_kernels``), tests use fakes.
 """
 
 from __future__ import annotations
@@ -117,16 +118,27 @@ class StagingOps(Protocol):
 
 
 class TorchStagingOps:
-    """``StagingOps`` with ``staging_ops`` (torch) over a geometry's addresses and a pool.
+    """``StagingOps`` over a geometry's addresses and a pool, with the kernels
+    ``staging_triton.select_kernels`` picks: the fused Triton kernels (``staging_triton``, one
+    launch per chunk) or the per-layer torch ops (``staging_ops``, the reference).
 
-    Views, the staging tensor and (CUDA) the side stream are made on first use, on the thread
-    that runs the ops."""
+    ``kernel``: ``"triton"`` | ``"torch"`` | None (select: env ``KV_PUSH_STAGING_KERNELS``, a bad
+    value raises ValueError here, at start-up). ``counters``: where launches are counted
+    (``staging_launches{kernel}``). Views, the staging tensor and (CUDA) the side stream are made
+    on first use, on the thread that runs the ops."""
 
-    def __init__(self, geometry: KVGeometry, memory: StagingMemory):
+    def __init__(self, geometry: KVGeometry, memory: StagingMemory, *, kernel: str | None = None,
+                 counters: Any = None):
+        from .staging_triton import select_kernels
+
         self.geometry = geometry
         self.memory = memory
         self.asynchronous = memory.mem_type == "VRAM"
+        device_type = "cuda" if geometry.mem_type == "VRAM" else "cpu"
+        self.kernel = select_kernels(device_type, kernel)
+        self.counters = counters
         self._views = None
+        self._fused = None
         self._staging = None
         self._stream = None
 
@@ -142,27 +154,51 @@ class TorchStagingOps:
             torch.cuda.set_device(views.device)  # this thread only
             self._stream = torch.cuda.Stream(views.device)
         self._staging = wrap_memory(self.memory.address, self.memory.nbytes, device=views.device)
+        if self.kernel == "triton":
+            from .staging_triton import FusedCache
+
+            self._fused = FusedCache(self.geometry, views.device, stream=self._stream)
         self._views = views
 
+    def _count(self, handle: Any) -> Any:
+        if self.counters is not None and getattr(handle, "launches", 0):
+            self.counters.inc("staging_launches", handle.launches, label=self.kernel)
+        return handle
+
     def prepare(self, plan: StagingPlan) -> Any:
+        self._init()
+        if self._fused is not None:
+            from .staging_triton import FusedPlan
+
+            return FusedPlan(plan, self._fused, stream=self._stream)
         from .staging_ops import DevicePlan
 
-        self._init()
         return DevicePlan(plan, self._views.device, stream=self._stream)
 
     def pack(self, prepared, offset, nbytes, layers, wait_for):
+        self._init()
+        waits = [w for w in wait_for if w is not None]
+        buf = self._staging[offset: offset + nbytes]
+        if self._fused is not None:
+            from .staging_triton import pack as fused_pack
+
+            return self._count(fused_pack(prepared, buf, layers, stream=self._stream,
+                                          wait_for=waits))
         from .staging_ops import pack
 
-        self._init()
-        return pack(self._views, prepared, self._staging[offset: offset + nbytes], layers,
-                    stream=self._stream, wait_for=[w for w in wait_for if w is not None])
+        return self._count(pack(self._views, prepared, buf, layers, stream=self._stream,
+                                wait_for=waits))
 
     def unpack(self, prepared, offset, nbytes, layers):
+        self._init()
+        buf = self._staging[offset: offset + nbytes]
+        if self._fused is not None:
+            from .staging_triton import unpack as fused_unpack
+
+            return self._count(fused_unpack(prepared, buf, layers, stream=self._stream))
         from .staging_ops import unpack
 
-        self._init()
-        return unpack(self._views, prepared, self._staging[offset: offset + nbytes], layers,
-                      stream=self._stream)
+        return self._count(unpack(self._views, prepared, buf, layers, stream=self._stream))
 
     def marker(self) -> Any:
         if not self.asynchronous:
@@ -212,7 +248,8 @@ class StagedSender:
         self.ctx = ctx
         self.memory = memory
         self.pool = StagingPool(memory.nbytes, align=SLOT_ALIGN)
-        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory)
+        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory,
+                                                                counters=ctx.counters)
         self.regions: dict[str, StagingRegion] = {}  # decoder agent -> its staging region
         self.ready: dict[str, Any] = {}  # source key -> event after its KV writes
 
@@ -386,7 +423,8 @@ class StagedReceiver:
         self.ctx = ctx
         self.memory = memory
         self.pool = StagingPool(memory.nbytes, align=SLOT_ALIGN)
-        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory)
+        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory,
+                                                                counters=ctx.counters)
         self.enabled = True  # a run-time switch (benchmarks compare paths in one run)
         self.producers: dict[str, bool] = {}  # producer agent -> it announced staging
         self.slots: dict[WantId, _Landing] = {}
