@@ -160,14 +160,20 @@ class TorchStagingOps:
             self._fused = FusedCache(self.geometry, views.device, stream=self._stream)
         self._views = views
 
-    def _count(self, handle: Any) -> Any:
-        if self.counters is not None and getattr(handle, "launches", 0):
-            self.counters.inc("staging_launches", handle.launches, label=self.kernel)
-        return handle
+    def set_kernel(self, kernel: str) -> None:
+        """Switch kernels (benchmarks compare both in one run): plans prepared before keep
+        running with the kernels they were prepared for."""
+        from .staging_triton import select_kernels
+
+        self.kernel = select_kernels("cuda" if self.geometry.mem_type == "VRAM" else "cpu", kernel)
+        if self._views is not None and self.kernel == "triton" and self._fused is None:
+            from .staging_triton import FusedCache
+
+            self._fused = FusedCache(self.geometry, self._views.device, stream=self._stream)
 
     def prepare(self, plan: StagingPlan) -> Any:
         self._init()
-        if self._fused is not None:
+        if self.kernel == "triton":
             from .staging_triton import FusedPlan
 
             return FusedPlan(plan, self._fused, stream=self._stream)
@@ -175,30 +181,31 @@ class TorchStagingOps:
 
         return DevicePlan(plan, self._views.device, stream=self._stream)
 
-    def pack(self, prepared, offset, nbytes, layers, wait_for):
+    def _op(self, prepared, offset, nbytes, layers, waits, pack: bool):
+        from .staging_triton import FusedPlan
+
         self._init()
-        waits = [w for w in wait_for if w is not None]
         buf = self._staging[offset: offset + nbytes]
-        if self._fused is not None:
-            from .staging_triton import pack as fused_pack
+        if isinstance(prepared, FusedPlan):
+            from . import staging_triton as ops
+            label = "triton"
+            handle = (ops.pack if pack else ops.unpack)(prepared, buf, layers,
+                                                       stream=self._stream, wait_for=waits)
+        else:
+            from . import staging_ops as ops
+            label = "torch"
+            handle = (ops.pack if pack else ops.unpack)(self._views, prepared, buf, layers,
+                                                       stream=self._stream, wait_for=waits)
+        if self.counters is not None and handle.launches:
+            self.counters.inc("staging_launches", handle.launches, label=label)
+        return handle
 
-            return self._count(fused_pack(prepared, buf, layers, stream=self._stream,
-                                          wait_for=waits))
-        from .staging_ops import pack
-
-        return self._count(pack(self._views, prepared, buf, layers, stream=self._stream,
-                                wait_for=waits))
+    def pack(self, prepared, offset, nbytes, layers, wait_for):
+        return self._op(prepared, offset, nbytes, layers,
+                        [w for w in wait_for if w is not None], True)
 
     def unpack(self, prepared, offset, nbytes, layers):
-        self._init()
-        buf = self._staging[offset: offset + nbytes]
-        if self._fused is not None:
-            from .staging_triton import unpack as fused_unpack
-
-            return self._count(fused_unpack(prepared, buf, layers, stream=self._stream))
-        from .staging_ops import unpack
-
-        return self._count(unpack(self._views, prepared, buf, layers, stream=self._stream))
+        return self._op(prepared, offset, nbytes, layers, (), False)
 
     def marker(self) -> Any:
         if not self.asynchronous:
