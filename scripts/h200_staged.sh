@@ -13,8 +13,8 @@ export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 t0=$(date +%s)
-timeout "$PT" python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_staging_triton.py \
-  tests/test_gpu_staged.py tests/test_staging.py 2>&1 | tee "$OUT/gpu_staging.pytest.log" | tail -40
+timeout "$PT" python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_gpu_staged.py tests/test_staging_triton.py \
+  tests/test_staging.py 2>&1 | tee "$OUT/gpu_staging.pytest.log" | tail -40
 echo "pytest: $(( $(date +%s) - t0 )) s"
 UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y timeout "$BT" python3 benchmarks/bench_staged_gpu.py \
   --budget-s "$BUDGET" --out-dir "$OUT" "$@" 2>&1 | tee "$OUT/gpu_staged.log" | grep -v "^20..-..-.. .*dropping peer" | tail -70

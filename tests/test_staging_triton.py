@@ -290,7 +290,7 @@ def test_triton_equals_torch_cuda(kw, monkeypatch) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs a CUDA GPU and triton")
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.one_of(cases(), cases(tp_change=True)), st.integers(1, 3))
 def test_triton_matches_reference_cuda(monkeypatch, c: Case, lpc: int) -> None:
