@@ -96,6 +96,70 @@ class StagedBenchPeer(BenchPeerServer):
                  if r is not None and getattr(r, "staged", None) is not None]
         return roles[0].staged.ops.kernel if roles else ""
 
+    def staged_instrument(self) -> None:
+        """Record the staged path's steps (monotonic, system-wide clock: comparable between P
+        and D): P's start of the staged send and its packs enqueued, each chunk seen packed,
+        WRITE posts; D's notices, unpacks enqueued, the last unpack seen complete."""
+        if getattr(self, "_staged_ev", None) is not None:
+            return
+        self.instrument()
+        ev = self._staged_ev = []
+        clock = time.monotonic
+        prod = self.worker.producer
+        if prod is not None and prod.staged is not None:
+            st = prod.staged
+            o_start, o_packed = st.start, st.packed
+            seen = set()
+
+            def start(*a, **k):
+                ev.append(("p_start", clock()))
+                out = o_start(*a, **k)
+                ev.append(("p_enqueued", clock()))
+                return out
+
+            def packed(send, index):
+                ok = o_packed(send, index)
+                if ok and (id(send), index) not in seen:
+                    seen.add((id(send), index))
+                    ev.append(("p_packed", clock()))
+                return ok
+
+            st.start, st.packed = start, packed
+        dec = self.worker.decoder
+        if dec is not None and dec.staged is not None:
+            rc = dec.staged
+            o_chunk, o_poll = rc.on_chunk, rc.poll
+
+            def on_chunk(*a, **k):
+                ev.append(("d_notice", clock()))
+                out = o_chunk(*a, **k)
+                ev.append(("d_unpack_enqueued", clock()))
+                return out
+
+            def poll():
+                out = o_poll()
+                if any(newly for _, newly in out):
+                    ev.append(("d_unpacked", clock()))
+                return out
+
+            rc.on_chunk, rc.poll = on_chunk, poll
+
+    def take_staged_events(self) -> dict:
+        """{step: [first, last]} since the last call (then cleared)."""
+        out: dict = {}
+        evs = list(self._staged_ev or [])
+        evs += [e for e in self.events if e[0] in ("thread_start", "post_start", "post_end")]
+        self._staged_ev[:] = []
+        del self.events[:]
+        for e in evs:
+            name, t = e[0], e[1]
+            if name in out:
+                out[name][0] = min(out[name][0], t)
+                out[name][1] = max(out[name][1], t)
+            else:
+                out[name] = [t, t]
+        return out
+
     def staging_info(self) -> dict:
         return {side: mem.nbytes for side, mem in self.worker.staging.items()}
 
@@ -147,8 +211,18 @@ def run_transfer(pair: Pair, mode: str, pblocks, dblocks, tokens: int,
         return {"total": s["total"], "descriptors": s["descs"], "path_ok": True}
     pair.D.call("set_staged", mode == "staged")
     p0, d0 = counters(pair.P), counters(pair.D)
+    if getattr(pair, "phases", False):
+        pair.P.call("take_staged_events")
+        pair.D.call("take_staged_events")
     s = pair.push(pblocks, dblocks, tokens)
     p1, d1 = counters(pair.P), counters(pair.D)
+    phases = None
+    if getattr(pair, "phases", False) and mode == "staged":
+        ev = {**pair.P.call("take_staged_events"), **pair.D.call("take_staged_events")}
+        t0 = s["t0"]
+        phases = {f"{k}_{'first' if i == 0 else 'last'}": round((v[i] - t0) * 1e3, 3)
+                  for k, v in ev.items() for i in (0, 1) if i == 0 or v[1] != v[0]}
+        phases["outcome"] = round(s["total"] * 1e3, 3)
     staged = d1.get("staged_transfers", 0) - d0.get("staged_transfers", 0)
     fell = {k: d1[k] - d0.get(k, 0) for k in d1
             if k.startswith("staged_fallback{") and d1[k] != d0.get(k, 0)}
@@ -163,6 +237,7 @@ def run_transfer(pair: Pair, mode: str, pblocks, dblocks, tokens: int,
     else:
         launches = None
     return {"total": s["total"], "path_ok": path_ok, "fallbacks": fell, "launches": launches,
+            "phases": phases,
             "descriptors": int(p1.get("regions_written", 0) - p0.get("regions_written", 0))}
 
 
@@ -186,7 +261,7 @@ def run_case(pair: Pair, shape: Shape, tokens: int, rng, args, copy_gbps: float,
     est = region_estimate(shape, tokens, args, heads)
     runs: list[tuple[str, str | None]] = []
     reps = {}
-    for m in MODES:
+    for m in args.mode_list:
         if m == "pull" and not (pair.pull_ok and not shape.hetero):
             continue
         if m == "regions" and est > args.max_region_descs:
@@ -204,7 +279,7 @@ def run_case(pair: Pair, shape: Shape, tokens: int, rng, args, copy_gbps: float,
                              f"{args.slow_region_descs})")
     samples = {r: [] for r in runs}
     info = {r: {"transfers": 0, "mismatch": 0, "canary": 0, "wrong_path": 0, "descriptors": None,
-                "fallbacks": {}, "launches": None} for r in runs}
+                "fallbacks": {}, "launches": None, "phases": []} for r in runs}
     errors: dict = {}
     for r in range(args.reps + 1):  # repetition 0: the warm-up (verified, not counted)
         k = r % len(runs)
@@ -234,6 +309,8 @@ def run_case(pair: Pair, shape: Shape, tokens: int, rng, args, copy_gbps: float,
                     f"canary elements hit, path {'ok' if s['path_ok'] else 'WRONG ' + str(s.get('fallbacks'))}")
             if r > 0:
                 samples[run].append(s["total"])
+                if s.get("phases"):
+                    c["phases"].append(s["phases"])
     neg = pair.D.call("verify", seed + 1, tokens, dblocks, timeout=600)["mismatch"]
     out = []
     for run in runs:
@@ -255,6 +332,10 @@ def run_case(pair: Pair, shape: Shape, tokens: int, rng, args, copy_gbps: float,
             "min_ms": round(min(xs) * 1e3, 3) if xs else None,
             "samples_ms": [round(x * 1e3, 3) for x in xs],
             "launches": c["launches"],
+            "phases_ms_median": {k: round(statistics.median(p[k] for p in c["phases"]
+                                                           if k in p), 3)
+                                 for k in sorted({k for p in c["phases"] for k in p})}
+            if c["phases"] else None,
             "transfers_verified": c["transfers"], "negative_control_mismatch": neg,
             "fallbacks": c["fallbacks"], "error": errors.get(run),
         })
@@ -285,6 +366,11 @@ def parse(argv=None):
                     help="skip the region path where it would post more descriptors (recorded)")
     ap.add_argument("--slow-region-descs", type=int, default=200_000,
                     help="above this many region descriptors measure 1 repetition only")
+    ap.add_argument("--modes", default=",".join(MODES), help="subset of regions,staged,pull")
+    ap.add_argument("--phases", action="store_true",
+                    help="record the staged path's steps per transfer (phases_ms_median)")
+    ap.add_argument("--idle-poll-s", type=float, default=None,
+                    help="idle_poll_s for both workers (default: the config's)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="stop starting cases after this many seconds (0: no limit)")
     ap.add_argument("--heartbeat-s", type=float, default=10.0)
@@ -295,6 +381,9 @@ def parse(argv=None):
     args.token_list = [int(t) for t in args.tokens.split(",")]
     args.bs_list = [int(b) for b in args.block_sizes.split(",")]
     args.tp_list = [int(t) for t in args.tp.split(",")]
+    args.mode_list = [m.strip() for m in args.modes.split(",")]
+    if any(m not in MODES for m in args.mode_list):
+        ap.error(f"--modes takes {', '.join(MODES)}")
     if args.kernels == "auto":
         ok = args.device == "cuda" and importlib.util.find_spec("triton") is not None
         args.kernel_list = ["triton", "torch"] if ok else ["torch"]
@@ -315,10 +404,16 @@ def start_pair(args, shape: Shape) -> Pair:
     pool = top * per_token(args, heads) + (8 << 20)  # the largest request's slot, and some
     config = {"staged": "auto", "producer_staging_bytes": pool, "decoder_staging_bytes": pool,
               "staging_chunk_bytes": int(args.chunk_mib * 2**20)}
+    if args.idle_poll_s is not None:
+        config["idle_poll_s"] = args.idle_poll_s
     pair = Pair(args, shape.bs, p_blocks, kv_heads=heads, config=config, server=SERVER,
                 d={"block_size": shape.d_bs, "token_order": shape.d_order,
                    "num_blocks": d_blocks})
     pair.p_blocks, pair.d_blocks = p_blocks, d_blocks
+    pair.phases = bool(args.phases)
+    if args.phases:
+        for peer in (pair.P, pair.D):
+            peer.call("staged_instrument")
     return pair
 
 

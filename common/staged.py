@@ -160,6 +160,20 @@ class TorchStagingOps:
             self._fused = FusedCache(self.geometry, views.device, stream=self._stream)
         self._views = views
 
+    def warmup(self) -> int:
+        """Compile the fused kernels' common variants now (transfer thread, at start-up), so
+        the JIT does not land on the first request's critical path; 0 for torch or host."""
+        if self.kernel != "triton" or not self.asynchronous:
+            return 0
+        self._init()
+        from .staging_triton import warmup
+
+        try:
+            return warmup(self._fused, self._staging)
+        except Exception:  # noqa: BLE001 - the first request compiles instead
+            logger.exception("kv_push: compiling the staging kernels ahead failed")
+            return 0
+
     def set_kernel(self, kernel: str) -> None:
         """Switch kernels (benchmarks compare both in one run): plans prepared before keep
         running with the kernels they were prepared for."""
@@ -580,7 +594,14 @@ class StagedReceiver:
         self.pool.release(land.offset)
 
     def busy(self) -> bool:
-        return any(land.pending for land in self.slots.values()) or bool(self._draining)
+        """Unpacks are running, or a slot has some of a writer's chunks and waits for the rest
+        (they follow within milliseconds: the decoder spins for them rather than sleeping
+        ``idle_poll_s`` between notices)."""
+        return bool(self._draining) or any(
+            land.pending or any(0 < len(seen) < len(land.chunks[rank])
+                                and rank not in land.skipped
+                                for rank, seen in land.seen.items())
+            for land in self.slots.values())
 
     def live(self) -> int:
         return len(self.pool.reserved)

@@ -46,7 +46,7 @@ from .geometry import GeometryError, KVGeometry
 from .staging import StagingPlan, _check_layers
 
 __all__ = ["ENV", "KERNELS", "select_kernels", "triton_unavailable", "FusedCache", "FusedPlan",
-           "pack", "unpack"]
+           "pack", "unpack", "warmup"]
 
 ENV = "KV_PUSH_STAGING_KERNELS"
 KERNELS = ("auto", "triton", "torch")
@@ -109,7 +109,9 @@ def _build_kernel(interpreted: bool):  # triton.jit picks the interpreter when i
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # the counts and offsets vary per request: no value specialization (one compile per
+    # PIECE / HINT / direction, not per request size)
+    @triton.jit(do_not_specialize=["n_pieces", "run_words", "base0"])
     def staging_copy(cache_ref, bases, offs, staging, n_pieces, run_words, base0,
                      PACK: tl.constexpr, PIECE: tl.constexpr, BLOCK_C: tl.constexpr,
                      ROWS: tl.constexpr, HINT: tl.constexpr):
@@ -252,8 +254,7 @@ class FusedPlan:
         self.n_pieces = int(offs.shape[0])
         assert self.n_pieces * piece * w == plan.part_bytes, "segments do not tile the run"
         self.block_c = 1 << (piece - 1).bit_length()
-        self.rows = max(1, min(1 << max(0, (self.n_pieces - 1).bit_length()),
-                               TILE_WORDS // self.block_c))
+        self.rows = max(1, TILE_WORDS // self.block_c)  # fixed per piece size: no recompiles
         hint = 1
         vw = 16 // w if w < 16 else 1
         if vw > 1 and cache.align16 and piece % vw == 0 and plan.part_bytes % 16 == 0 and \
@@ -273,6 +274,53 @@ class FusedPlan:
     @property
     def run_words(self) -> int:
         return self.plan.part_bytes // self.word_bytes
+
+
+def _launch_args(fplan: FusedPlan, words: Any, layers: range):
+    cache = fplan.cache
+    parts = fplan.plan.kv_parts
+    w = fplan.word_bytes
+    grid = (-(-fplan.n_pieces // fplan.rows), len(layers) * parts)
+    args = (cache.ref(w), cache.bases(w), fplan.offs, words, fplan.n_pieces, fplan.run_words,
+            layers.start * parts)
+    meta = dict(PIECE=fplan.piece, BLOCK_C=fplan.block_c, ROWS=fplan.rows, HINT=fplan.hint,
+                num_warps=4 if fplan.rows * fplan.block_c <= 2048 else 8)
+    return grid, args, meta
+
+
+def warmup(cache: FusedCache, staging: Any) -> int:
+    """Compile (without running anything) the kernel variants this cache's common plans need --
+    whole blocks of all local heads, and whole blocks with a partial one (token rows) -- both
+    directions, so the JIT stays off the first request's critical path. ``staging`` is any
+    uint8 tensor on the device (only its alignment matters). Returns the variants compiled;
+    0 under the interpreter (nothing to compile)."""
+    from .staging import gather_plan
+    from .staging_ops import _word_dtype
+
+    if _interpreted() or cache.device.type != "cuda":
+        return 0
+    g = cache.geometry
+    n = 0
+    seen = set()
+    kernel = _kernel()
+    for tokens in (2 * g.block_size, 2 * g.block_size - 1 if g.block_size > 1 else 1):
+        try:
+            plan = gather_plan(g, [0, 1] if g.num_blocks > 1 else [0], first_token=0,
+                               num_tokens=min(tokens, g.block_size * min(2, g.num_blocks)),
+                               heads=g.head_range)
+        except GeometryError:
+            continue
+        fp = FusedPlan(plan, cache)
+        key = (fp.piece, fp.hint, fp.word_bytes)
+        if not fp.n_pieces or key in seen:
+            continue
+        seen.add(key)
+        words = staging[: fp.word_bytes * 16].view(_word_dtype(fp.word_bytes))
+        grid, args, meta = _launch_args(fp, words, range(1))
+        for pack in (True, False):
+            kernel.warmup(*args, grid=grid, PACK=pack, **meta)
+            n += 1
+    return n
 
 
 def _run(fplan: FusedPlan, staging: Any, layers: range | None, stream: Any,
@@ -302,15 +350,10 @@ def _run(fplan: FusedPlan, staging: Any, layers: range | None, stream: Any,
         raise GeometryError("a stream is only meaningful for CUDA memory")
     if not len(layers) or not fplan.n_pieces:
         return OpHandle(None, launches=0)
-    cache = fplan.cache
-    parts = plan.kv_parts
     words = staging.view(_word_dtype(w))
-    grid = (-(-fplan.n_pieces // fplan.rows), len(layers) * parts)
+    grid, args, meta = _launch_args(fplan, words, layers)
+    meta["PACK"] = pack
     kernel = _kernel()
-    args = (cache.ref(w), cache.bases(w), fplan.offs, words, fplan.n_pieces, fplan.run_words,
-            layers.start * parts)
-    meta = dict(PACK=pack, PIECE=fplan.piece, BLOCK_C=fplan.block_c, ROWS=fplan.rows,
-                HINT=fplan.hint, num_warps=4 if fplan.rows * fplan.block_c <= 2048 else 8)
     if not cuda:
         kernel[grid](*args, **meta)
         return OpHandle(None, launches=1)
