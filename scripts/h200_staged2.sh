@@ -10,15 +10,15 @@ for d in common gpu_push neuron_push; do ln -s "$PWD/$d" /tmp/shim/kv_push/$d; d
 cp kv_push/__init__.py /tmp/shim/kv_push/
 export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
 t0=$(date +%s)
-timeout 100 python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_gpu_staged.py \
+timeout 80 python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_gpu_staged.py \
   tests/test_staging_triton.py tests/test_staging.py 2>&1 | tee "$OUT/gpu_staging.pytest.log" | tail -8
 echo "pytest: $(( $(date +%s) - t0 )) s"
 mkdir -p /tmp/ph
-P="--tp 1,8 --block-sizes 16 --no-hetero --modes staged --kernels triton --phases --budget-s 80"
-timeout 110 python3 benchmarks/bench_staged_gpu.py $P --out-dir /tmp/ph --name phases_default 2>&1 | grep "tok ("
-timeout 110 python3 benchmarks/bench_staged_gpu.py $P --idle-poll-s 0.0001 --out-dir /tmp/ph --name phases_poll1e-4 2>&1 | grep "tok ("
+P="--tp 1,8 --block-sizes 16 --no-hetero --modes staged --kernels triton --phases --budget-s 60"
+timeout 90 python3 benchmarks/bench_staged_gpu.py $P --out-dir /tmp/ph --name phases_default 2>&1 | grep "tok ("
+timeout 90 python3 benchmarks/bench_staged_gpu.py $P --idle-poll-s 0.0001 --out-dir /tmp/ph --name phases_poll1e-4 2>&1 | grep "tok ("
 tar czf "$OUT/phases.tgz" -C /tmp/ph .
 echo "phases: $(( $(date +%s) - t0 )) s"
-timeout 300 python3 benchmarks/bench_staged_gpu.py --budget-s 250 --out-dir "$OUT" 2>&1 \
+timeout 300 python3 benchmarks/bench_staged_gpu.py --budget-s 240 --out-dir "$OUT" 2>&1 \
   | tee "$OUT/gpu_staged.log" | grep -v "dropping peer" | tail -75
 echo "total: $(( $(date +%s) - t0 )) s"
