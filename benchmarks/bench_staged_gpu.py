@@ -148,7 +148,8 @@ class StagedBenchPeer(BenchPeerServer):
         """{step: [first, last]} since the last call (then cleared)."""
         out: dict = {}
         evs = list(self._staged_ev or [])
-        evs += [e for e in self.events if e[0] in ("thread_start", "post_start", "post_end")]
+        evs += [e for e in self.events if e[0] in ("thread_start", "descs_start", "init_start",
+                                                  "init_end", "post_start", "post_end")]
         self._staged_ev[:] = []
         del self.events[:]
         for e in evs:
