@@ -15,10 +15,10 @@ timeout 80 python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_gpu_st
 echo "pytest: $(( $(date +%s) - t0 )) s"
 mkdir -p /tmp/ph
 P="--tp 1,8 --block-sizes 16 --no-hetero --modes staged --kernels triton --phases --budget-s 60"
-timeout 90 python3 benchmarks/bench_staged_gpu.py $P --out-dir /tmp/ph --name phases_default 2>&1 | grep "tok ("
-timeout 90 python3 benchmarks/bench_staged_gpu.py $P --idle-poll-s 0.0001 --out-dir /tmp/ph --name phases_poll1e-4 2>&1 | grep "tok ("
+timeout 80 python3 benchmarks/bench_staged_gpu.py $P --out-dir /tmp/ph --name phases_default 2>&1 | grep "tok ("
+timeout 80 python3 benchmarks/bench_staged_gpu.py $P --idle-poll-s 0.0001 --out-dir /tmp/ph --name phases_poll1e-4 2>&1 | grep "tok ("
 tar czf "$OUT/phases.tgz" -C /tmp/ph .
 echo "phases: $(( $(date +%s) - t0 )) s"
-timeout 300 python3 benchmarks/bench_staged_gpu.py --budget-s 240 --out-dir "$OUT" 2>&1 \
+timeout 250 python3 benchmarks/bench_staged_gpu.py --budget-s 190 --out-dir "$OUT" 2>&1 \
   | tee "$OUT/gpu_staged.log" | grep -v "dropping peer" | tail -75
 echo "total: $(( $(date +%s) - t0 )) s"
