@@ -140,7 +140,7 @@ class Pair:
             raise PeerError(f"push {key}: {got}")
         if self.P.call("wait_released", [key], 30.0) != [key]:
             raise PeerError(f"push {key}: P never released its blocks")
-        return {"total": got[2] - t0}
+        return {"total": got[2] - t0, "t0": t0}
 
     def pull(self, pblocks, dblocks, tokens) -> dict:
         self.seq += 1

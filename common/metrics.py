@@ -48,6 +48,8 @@ COUNTERS = {
     "staged_transfers": "staged transfers: sub-slices packed and written (producer) / unpacked (decoder)",
     "staged_chunks": "staged chunks written (producer) / unpacked (decoder)",
     "staged_bytes": "bytes moved through staging (producer: written; decoder: unpacked)",
+    "staging_launches": "kernel launches of staged pack/unpack (label: the kernels, triton = "
+                        "one fused launch per chunk, torch = one op per layer, part and segment)",
     "staged_fallback": "registrations that took the region path although staging was on, by reason",
     "released": "prefills freed at once by a router Release (no decoder had claimed them)",
     "release_deferred": "prefills of a released transfer left to their decoder's fence/cancel "

@@ -46,7 +46,8 @@ Lifetimes (the fencing rules apply to slots too):
 
 Threading: everything here runs on the transfer thread, except :meth:`StagedSender.marker`
 (the engine thread records the ordering event; it never synchronizes). The ops are injected
-(:class:`StagingOps`); :class:`TorchStagingOps` is the real one, tests use fakes.
+(:class:`StagingOps`); :class:`TorchStagingOps` is the real one (fused Triton kernels or torch ops,
+``staging_triton.select_kernels``), tests use fakes.
 """
 
 from __future__ import annotations
@@ -117,16 +118,27 @@ class StagingOps(Protocol):
 
 
 class TorchStagingOps:
-    """``StagingOps`` with ``staging_ops`` (torch) over a geometry's addresses and a pool.
+    """``StagingOps`` over a geometry's addresses and a pool, with the kernels
+    ``staging_triton.select_kernels`` picks: the fused Triton kernels (``staging_triton``, one
+    launch per chunk) or the per-layer torch ops (``staging_ops``, the reference).
 
-    Views, the staging tensor and (CUDA) the side stream are made on first use, on the thread
-    that runs the ops."""
+    ``kernel``: ``"triton"`` | ``"torch"`` | None (select: env ``KV_PUSH_STAGING_KERNELS``, a bad
+    value raises ValueError here, at start-up). ``counters``: where launches are counted
+    (``staging_launches{kernel}``). Views, the staging tensor and (CUDA) the side stream are made
+    on first use, on the thread that runs the ops."""
 
-    def __init__(self, geometry: KVGeometry, memory: StagingMemory):
+    def __init__(self, geometry: KVGeometry, memory: StagingMemory, *, kernel: str | None = None,
+                 counters: Any = None):
+        from .staging_triton import select_kernels
+
         self.geometry = geometry
         self.memory = memory
         self.asynchronous = memory.mem_type == "VRAM"
+        device_type = "cuda" if geometry.mem_type == "VRAM" else "cpu"
+        self.kernel = select_kernels(device_type, kernel)
+        self.counters = counters
         self._views = None
+        self._fused = None
         self._staging = None
         self._stream = None
 
@@ -142,27 +154,72 @@ class TorchStagingOps:
             torch.cuda.set_device(views.device)  # this thread only
             self._stream = torch.cuda.Stream(views.device)
         self._staging = wrap_memory(self.memory.address, self.memory.nbytes, device=views.device)
+        if self.kernel == "triton":
+            from .staging_triton import FusedCache
+
+            self._fused = FusedCache(self.geometry, views.device, stream=self._stream)
         self._views = views
 
+    def warmup(self) -> int:
+        """Compile the fused kernels' common variants now (transfer thread, at start-up), so
+        the JIT does not land on the first request's critical path; 0 for torch or host."""
+        if self.kernel != "triton" or not self.asynchronous:
+            return 0
+        self._init()
+        from .staging_triton import warmup
+
+        try:
+            return warmup(self._fused, self._staging)
+        except Exception:  # noqa: BLE001 - the first request compiles instead
+            logger.exception("kv_push: compiling the staging kernels ahead failed")
+            return 0
+
+    def set_kernel(self, kernel: str) -> None:
+        """Switch kernels (benchmarks compare both in one run): plans prepared before keep
+        running with the kernels they were prepared for."""
+        from .staging_triton import select_kernels
+
+        self.kernel = select_kernels("cuda" if self.geometry.mem_type == "VRAM" else "cpu", kernel)
+        if self._views is not None and self.kernel == "triton" and self._fused is None:
+            from .staging_triton import FusedCache
+
+            self._fused = FusedCache(self.geometry, self._views.device, stream=self._stream)
+
     def prepare(self, plan: StagingPlan) -> Any:
+        self._init()
+        if self.kernel == "triton":
+            from .staging_triton import FusedPlan
+
+            return FusedPlan(plan, self._fused, stream=self._stream)
         from .staging_ops import DevicePlan
 
-        self._init()
         return DevicePlan(plan, self._views.device, stream=self._stream)
 
-    def pack(self, prepared, offset, nbytes, layers, wait_for):
-        from .staging_ops import pack
+    def _op(self, prepared, offset, nbytes, layers, waits, pack: bool):
+        from .staging_triton import FusedPlan
 
         self._init()
-        return pack(self._views, prepared, self._staging[offset: offset + nbytes], layers,
-                    stream=self._stream, wait_for=[w for w in wait_for if w is not None])
+        buf = self._staging[offset: offset + nbytes]
+        if isinstance(prepared, FusedPlan):
+            from . import staging_triton as ops
+            label = "triton"
+            handle = (ops.pack if pack else ops.unpack)(prepared, buf, layers,
+                                                       stream=self._stream, wait_for=waits)
+        else:
+            from . import staging_ops as ops
+            label = "torch"
+            handle = (ops.pack if pack else ops.unpack)(self._views, prepared, buf, layers,
+                                                       stream=self._stream, wait_for=waits)
+        if self.counters is not None and handle.launches:
+            self.counters.inc("staging_launches", handle.launches, label=label)
+        return handle
+
+    def pack(self, prepared, offset, nbytes, layers, wait_for):
+        return self._op(prepared, offset, nbytes, layers,
+                        [w for w in wait_for if w is not None], True)
 
     def unpack(self, prepared, offset, nbytes, layers):
-        from .staging_ops import unpack
-
-        self._init()
-        return unpack(self._views, prepared, self._staging[offset: offset + nbytes], layers,
-                      stream=self._stream)
+        return self._op(prepared, offset, nbytes, layers, (), False)
 
     def marker(self) -> Any:
         if not self.asynchronous:
@@ -212,7 +269,8 @@ class StagedSender:
         self.ctx = ctx
         self.memory = memory
         self.pool = StagingPool(memory.nbytes, align=SLOT_ALIGN)
-        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory)
+        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory,
+                                                                counters=ctx.counters)
         self.regions: dict[str, StagingRegion] = {}  # decoder agent -> its staging region
         self.ready: dict[str, Any] = {}  # source key -> event after its KV writes
 
@@ -386,7 +444,8 @@ class StagedReceiver:
         self.ctx = ctx
         self.memory = memory
         self.pool = StagingPool(memory.nbytes, align=SLOT_ALIGN)
-        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory)
+        self.ops = ops if ops is not None else TorchStagingOps(ctx.geometry, memory,
+                                                                counters=ctx.counters)
         self.enabled = True  # a run-time switch (benchmarks compare paths in one run)
         self.producers: dict[str, bool] = {}  # producer agent -> it announced staging
         self.slots: dict[WantId, _Landing] = {}
@@ -535,7 +594,14 @@ class StagedReceiver:
         self.pool.release(land.offset)
 
     def busy(self) -> bool:
-        return any(land.pending for land in self.slots.values()) or bool(self._draining)
+        """Unpacks are running, or a slot has some of a writer's chunks and waits for the rest
+        (they follow within milliseconds: the decoder spins for them rather than sleeping
+        ``idle_poll_s`` between notices)."""
+        return bool(self._draining) or any(
+            land.pending or any(0 < len(seen) < len(land.chunks[rank])
+                                and rank not in land.skipped
+                                for rank, seen in land.seen.items())
+            for land in self.slots.values())
 
     def live(self) -> int:
         return len(self.pool.reserved)

@@ -142,8 +142,9 @@ class OpHandle:
     """Completion of enqueued pack/unpack ops. ``query()`` never blocks; ``event`` is the CUDA
     event recorded after the ops (None on CPU, where the ops already completed)."""
 
-    def __init__(self, event: Any = None):
+    def __init__(self, event: Any = None, launches: int = 0):
         self.event = event
+        self.launches = launches  # kernels the ops enqueued (the staging_launches counter)
 
     def query(self) -> bool:
         return True if self.event is None else bool(self.event.query())
@@ -223,6 +224,7 @@ def _run(views: CacheViews, plan: StagingPlan | DevicePlan, staging: Any, layers
         raise GeometryError(f"the plan's ids are on {dplan.device}, the cache on {views.device}")
     if not len(layers) or not splan.segments:
         return OpHandle(None)
+    launches = len(layers) * splan.kv_parts * len(splan.segments)
 
     def body() -> None:
         w = splan.word_bytes
@@ -249,7 +251,7 @@ def _run(views: CacheViews, plan: StagingPlan | DevicePlan, staging: Any, layers
 
     if not cuda:
         body()
-        return OpHandle(None)
+        return OpHandle(None, launches)
     with torch.cuda.stream(stream):
         for ev in wait_for:
             stream.wait_event(ev)
@@ -261,7 +263,7 @@ def _run(views: CacheViews, plan: StagingPlan | DevicePlan, staging: Any, layers
         body()
         done = torch.cuda.Event()
         done.record(stream)
-    return OpHandle(done)
+    return OpHandle(done, launches)
 
 
 def pack(views: CacheViews, plan: StagingPlan | DevicePlan, staging: Any,

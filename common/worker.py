@@ -174,6 +174,10 @@ class PushWorker:
 
     def start(self) -> "PushWorker":
         self.thread.start()
+        for role in (self.producer, self.decoder):  # compile fused staging kernels ahead
+            ops = getattr(getattr(role, "staged", None), "ops", None)
+            if ops is not None and hasattr(ops, "warmup"):
+                self.thread.submit(ops.warmup)
         if self.side_channel is not None:
             self.side_channel.start()
         every = float(os.environ.get(STATE_LOG_ENV) or 0)

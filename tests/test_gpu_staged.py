@@ -96,6 +96,13 @@ def test_staged_vram_push_bytes_verified(peers, figures, decoder, num_tokens, fi
     assert d.get("staged_transfers") == 1 and d.get("staged_bytes") == layout.total_bytes, d
     assert d.get("staged_chunks") == LAYERS  # one layer per chunk at this size
     assert not any(k.startswith("staged_fallback") and n for k, n in d.items()), d
+    # the kernels select_kernels picked (auto: fused Triton on CUDA, torch on host tensors) ran
+    # the unpack: one launch per chunk for triton, more for the torch ops
+    from kv_push.common.staging_triton import select_kernels
+
+    kernel = select_kernels("cpu" if os.environ.get("KV_PUSH_TEST_DEVICE") == "cpu" else "cuda")
+    launches = d.get(f"staging_launches{{{kernel}}}", 0)
+    assert launches == LAYERS if kernel == "triton" else launches >= LAYERS * 2, d
     assert D.call("live")["staging_slots"] == 0 and P.call("live")["staging_rooms"] == 0
     figures("gpu staged push (VRAM->VRAM)", f"{decoder} {num_tokens - first_token} tok, "
             f"{LAYERS} chunks", got[2] - t0, f"{layout.total_bytes / 2**20:.1f} MiB verified")

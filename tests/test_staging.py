@@ -112,8 +112,21 @@ def shift_staging(plan: StagingPlan) -> StagingPlan:
 # -- the end-to-end check ----------------------------------------------------------------------
 
 
+def _kernels(kernel: str, geo: KVGeometry, device: str, stream):
+    """(prepare, pack, unpack) for ``kernel``: ``torch`` (staging_ops; ``prepare`` None when
+    plans go in as they are) or ``triton`` (staging_triton's fused kernels)."""
+    if kernel == "torch":
+        views = CacheViews(geo, device=device)
+        return views, (lambda plan: DevicePlan(plan, device, stream=stream)), \
+            (lambda *a, **k: pack(views, *a, **k)), (lambda *a, **k: unpack(views, *a, **k))
+    from kv_push.common import staging_triton as ST
+
+    cache = ST.FusedCache(geo, device, stream=stream)
+    return cache, (lambda plan: ST.FusedPlan(plan, cache, stream=stream)), ST.pack, ST.unpack
+
+
 def run_staged(c: Case, lpc: int = 1, *, device: str = "cpu", device_plans: bool = False,
-               corrupt_gather=None, corrupt_scatter=None) -> None:
+               corrupt_gather=None, corrupt_scatter=None, kernel: str = "torch") -> None:
     rng = np.random.default_rng(c.seed)
     vec = c.head_size * c.dtype_bytes
     need_s = -(-c.num_tokens // c.src_bs)
@@ -200,14 +213,14 @@ def run_staged(c: Case, lpc: int = 1, *, device: str = "cpu", device_plans: bool
         np.testing.assert_array_equal(np.bincount(pos, minlength=smem.n), wanted)
         if corrupt_gather is not None:
             plan = corrupt_gather(plan)
-        views = CacheViews(src, device=device)
-        use = DevicePlan(plan, device, stream=stream) if device_plans else plan
+        _, prep, do_pack, _ = _kernels(kernel, src, device, stream)
+        use = prep(plan) if device_plans or kernel != "torch" else plan
         pstage = Mem(ws.length, CANARY, device)
         for ch in slot.chunks(r, lpc):
             lo = ch.offset - ws.offset
             assert plan.span(ch.layers) == (lo, ch.length)
-            h = pack(views, use, pstage.body[lo: lo + ch.length], ch.layers, stream=stream,
-                     wait_for=fence())
+            h = do_pack(use, pstage.body[lo: lo + ch.length], ch.layers, stream=stream,
+                        wait_for=fence())
             while not h.query():  # what the transfer thread does
                 pass
             written[ch.offset: ch.offset + ch.length] += 1
@@ -223,16 +236,16 @@ def run_staged(c: Case, lpc: int = 1, *, device: str = "cpu", device_plans: bool
     assert list(plans) == [w.rank for w in slot.writers]
     if corrupt_scatter is not None:
         plans = {r: corrupt_scatter(p) if p.total_bytes else p for r, p in plans.items()}
-    views = CacheViews(dst, device=device)
+    _, prep, _, do_unpack = _kernels(kernel, dst, device, stream)
     pos = [plan_positions(p, dst, dmem.base) for p in plans.values()]
     np.testing.assert_array_equal(np.bincount(np.concatenate(pos), minlength=dmem.n), target,
                                   err_msg="a target byte is not written exactly once")
     for rank, plan in plans.items():
-        use = DevicePlan(plan, device, stream=stream) if device_plans else plan
+        use = prep(plan) if device_plans or kernel != "torch" else plan
         ws = slot.writer(rank)
         for ch in slot.chunks(rank, lpc):
-            h = unpack(views, use, smem_slot.body[ch.offset: ch.offset + ch.length], ch.layers,
-                       stream=stream, wait_for=fence())
+            h = do_unpack(use, smem_slot.body[ch.offset: ch.offset + ch.length], ch.layers,
+                          stream=stream, wait_for=fence())
             if cuda:
                 h.synchronize()
         assert ws.length == plan.total_bytes
