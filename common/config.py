@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     pass
 
 
+#: values of ``early_prefill_done``
+EARLY_PREFILL_DONE = ("auto", "off")
+
+
 @dataclass(frozen=True)
 class PushConfig:
     #: where a producer worker listens for decoders' handshakes (its tp_rank is added to the port)
@@ -81,6 +85,11 @@ class PushConfig:
     producer_staging_bytes: int = -1
     #: target bytes of one staged chunk (one WRITE + one notice; a group of whole layers)
     staging_chunk_bytes: int = 512 << 20
+    #: a producer announces a prefill when the step that completes it ran (its KV is written),
+    #: not one engine step later at vLLM's ``request_finished``: "auto" does so where that is
+    #: provably safe (vLLM runs one batch at a time: no async scheduling, no pipeline
+    #: parallelism; full attention only; see ``connector_scheduler``), "off" never
+    early_prefill_done: str = "auto"
 
     @property
     def peer_timeout_s(self) -> float:
@@ -114,6 +123,9 @@ class PushConfig:
             if getattr(self, name) < -1:
                 raise ConfigError(f"{name} must be -1 (backend default), 0 (none) or a size in "
                                   f"bytes, got {getattr(self, name)!r}")
+        if self.early_prefill_done not in EARLY_PREFILL_DONE:
+            raise ConfigError(f"early_prefill_done must be one of {', '.join(EARLY_PREFILL_DONE)}"
+                              f", got {self.early_prefill_done!r}")
         if self.staging_chunk_bytes <= 0:
             raise ConfigError(f"staging_chunk_bytes must be positive, got "
                               f"{self.staging_chunk_bytes!r}")

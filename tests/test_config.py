@@ -42,6 +42,7 @@ SETTABLE = {
     "decoder_staging_bytes": [("-1", -1), (0, 0), ("1073741824", 1 << 30)],
     "producer_staging_bytes": [(-1, -1), ("0", 0), (4096, 4096)],
     "staging_chunk_bytes": [("536870912", 512 << 20), (1, 1)],
+    "early_prefill_done": [("auto", "auto"), ("off", "off")],
 }
 
 
@@ -189,6 +190,10 @@ def test_unknown_key_is_named(key):
     ("producer_staging_bytes", 1.5),
     ("staging_chunk_bytes", 0),
     ("staging_chunk_bytes", -4096),
+    ("early_prefill_done", "on"),
+    ("early_prefill_done", "AUTO"),
+    ("early_prefill_done", True),
+    ("early_prefill_done", ""),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:
@@ -253,3 +258,8 @@ def test_peer_timeout_derived(interval):
     assert c.peer_timeout_s == pytest.approx(1.5 * float(interval))
     with pytest.raises(ConfigError, match="peer_timeout_s"):
         PushConfig.from_sources({"peer_timeout_s": 3}, env={})  # derived, not settable
+
+
+def test_a_bad_early_prefill_done_says_what_it_accepts():
+    with pytest.raises(ConfigError, match=r"early_prefill_done must be one of auto, off, got 'yes'"):
+        PushConfig.from_sources({"early_prefill_done": "yes"}, env={})
