@@ -9,9 +9,12 @@ alternating single / push, each a streaming ``/v1/completions`` of a distinct ra
 prompt (no prefix-cache hits) with ``ignore_eos``; TTFT is measured at the client (first
 streamed chunk with a choice).
 
-Phases (``--phases``): one per P setting of ``early_prefill_done`` (``auto``: P announces a
-prefill when its step ran; ``off``: at ``request_finished``, one engine step later), each on a
-freshly started P (the single server and D stay up). The same prompts are used in every phase.
+Phases (``--phases``, names from ``PHASES``): ``auto`` -- P's ``early_prefill_done=auto`` (P
+announces a prefill when its step ran); ``off`` -- ``early_prefill_done=off`` (at
+``request_finished``, one engine step later); ``auto-d1ms`` -- as ``auto`` with D polling every
+1 ms while it awaits a WRITE (``await_poll_s=0.001``, as before that setting existed). Each phase
+runs on a freshly started P (and D, when its settings change); the single server stays up. The
+same prompts are used in every phase.
 
 Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push request
 (``common/timing.py`` lists them) are matched to it by the router's ``router_in`` stamp inside
@@ -48,6 +51,13 @@ from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_
                                                  router, vllm_server)
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: phase name -> (P's, D's kv_connector_extra_config additions)
+PHASES = {
+    "auto": ({"early_prefill_done": "auto"}, {}),
+    "off": ({"early_prefill_done": "off"}, {}),
+    "auto-d1ms": ({"early_prefill_done": "auto"}, {"await_poll_s": 0.001}),
+}
 
 #: the stages of a push request in the order it meets them (common/timing.py)
 STAGES = ["client_send", "router_in", "router_legs_sent", "p_sched", "d_sched", "d_expect",
@@ -179,7 +189,7 @@ def run_phase(name: str, single: Server, p: Server, d: Server, rt: Server,
         f"({ratio:.2f}x), p90 {s_sum['ttft_p90_ms']:.1f} vs {p_sum['ttft_p90_ms']:.1f} ms; "
         f"load {load0[0]:.2f} -> {load1[0]:.2f}")
     client.close()
-    return {"early_prefill_done": name, "single": s_sum, "push": p_sum,
+    return {"phase": name, "single": s_sum, "push": p_sum,
             "ratio_p50": ratio, "ratio_p90": ratio90,
             "loadavg_before": load0, "loadavg_after": load1,
             "d_external_kv_prompt_tokens": ext, "p_prefills_announced_early": early,
@@ -197,7 +207,7 @@ def write_md(path: Path, result: dict) -> None:
         f"{m['requests']} requests per system and phase, alternating; {m['cpus']} cores "
         "shared with other work (load averages below).",
         "",
-        "| early_prefill_done | single p50 | single p90 | push p50 | push p90 | p50 ratio | "
+        "| phase | single p50 | single p90 | push p50 | push p90 | p50 ratio | "
         "p90 ratio | load (1 min) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -206,13 +216,18 @@ def write_md(path: Path, result: dict) -> None:
         return "-" if v is None else f"{v:.1f}"
     for ph in result["phases"]:
         s, p = ph["single"], ph["push"]
-        lines.append(f"| `{ph['early_prefill_done']}` | {f(s['ttft_p50_ms'])} ms | "
+        lines.append(f"| `{ph['phase']}` | {f(s['ttft_p50_ms'])} ms | "
                      f"{f(s['ttft_p90_ms'])} ms | {f(p['ttft_p50_ms'])} ms | "
                      f"{f(p['ttft_p90_ms'])} ms | {ph['ratio_p50']:.2f}x | "
                      f"{ph['ratio_p90']:.2f}x | {ph['loadavg_before'][0]:.2f} -> "
                      f"{ph['loadavg_after'][0]:.2f} |")
+    lines += ["", "Phases (P's / D's `kv_connector_extra_config` additions): " + "; ".join(
+        f"`{ph['phase']}`: P {json.dumps(ph.get('p_config', {}))}, D "
+        f"{json.dumps(ph.get('d_config', {}))}" for ph in result["phases"]) + ". "
+        "P prefills announced early (P's counter): " + ", ".join(
+        f"`{ph['phase']}` {ph['p_prefills_announced_early']:.0f}" for ph in result["phases"]) + "."]
     lines += ["", "## Push: stage reached, ms after the client sent the request (median)", ""]
-    names = [ph["early_prefill_done"] for ph in result["phases"]]
+    names = [ph["phase"] for ph in result["phases"]]
     lines.append("| stage | " + " | ".join(f"`{n}`" for n in names) + " |")
     lines.append("|---|" + "---|" * len(names))
     for st in STAGES:
@@ -228,7 +243,7 @@ def write_md(path: Path, result: dict) -> None:
         if any(v is not None for v in vals):
             lines.append(f"| {sg} | " + " | ".join(f(v) for v in vals) + " |")
     lines += ["", "How P announced each prefill (`p_prefill_done`'s `how`): " + "; ".join(
-        f"`{ph['early_prefill_done']}`: {ph['breakdown']['announced']}"
+        f"`{ph['phase']}`: {ph['breakdown']['announced']}"
         for ph in result["phases"]), ""]
     if m.get("notes"):
         lines += ["Notes: " + m["notes"], ""]
@@ -241,9 +256,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=500)
+    ap.add_argument("--vocab", type=int, default=400, help="token ids drawn below this (the tiny model has 462)")
     ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
-    ap.add_argument("--phases", default="auto,off", help="early_prefill_done values of P")
+    ap.add_argument("--phases", default="auto,off,auto-d1ms",
+                    help=f"comma-separated, from {sorted(PHASES)}")
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"))
     ap.add_argument("--log-dir", default="")
@@ -261,38 +277,47 @@ def main() -> None:
     servers: list[Server] = []
     phases = []
 
-    def start_p(setting: str) -> tuple[Server, int]:
+    def start(name: str, cpu: int, role: str, cfg: dict) -> tuple[Server, int]:
         kv = free_port()
-        srv = vllm_server(f"p-{setting}", python=args.python, model=str(model), port=free_port(),
-                          cpu=0, log_dir=log_dir, kv_role="kv_producer", kv_port=kv,
-                          extra_config={**extra, "early_prefill_done": setting},
-                          extra_env=env, max_model_len=1024)
+        srv = vllm_server(name, python=args.python, model=str(model), port=free_port(),
+                          cpu=cpu, log_dir=log_dir, kv_role=role, kv_port=kv,
+                          extra_config={**extra, **cfg}, extra_env=env, max_model_len=1024)
         servers.append(srv)
         return srv, kv
+
+    def stop(srv: Server) -> None:
+        srv.stop()
+        servers.remove(srv)
 
     try:
         single = vllm_server("single", python=args.python, model=str(model), port=free_port(),
                              cpu=0, log_dir=log_dir, max_model_len=1024)
         servers.append(single)
-        d = vllm_server("d", python=args.python, model=str(model), port=free_port(), cpu=1,
-                        log_dir=log_dir, kv_role="kv_consumer", kv_port=free_port(),
-                        extra_config=extra, extra_env=env, max_model_len=1024)
-        servers.append(d)
-        for i, setting in enumerate(args.phases.split(",")):
-            p, p_kv = start_p(setting)
+        fresh = [single]
+        d, d_cfg = None, None
+        for setting in args.phases.split(","):
+            p_cfg, want_d = PHASES[setting]
+            if d is None or want_d != d_cfg:
+                if d is not None:
+                    stop(d)
+                d, _ = start(f"d-{setting}", 1, "kv_consumer", want_d)
+                d_cfg = want_d
+                fresh.append(d)
+            p, p_kv = start(f"p-{setting}", 0, "kv_producer", p_cfg)
             rt = router(python=args.python, port=free_port(), prefill=[(p.url, p_kv)],
                         decode=[d.url], log_dir=log_dir, name=f"router-{setting}",
                         extra_env=env)
             servers.append(rt)
-            for s in ([single, d] if i == 0 else []) + [p, rt]:
+            for s in fresh + [p, rt]:
                 s.wait_healthy(300)
+            fresh = []
             log(f"phase {setting}: servers up (logs in {log_dir})")
             phases.append(run_phase(setting, single, p, d, rt, work, args))
-            for s in (rt, p):
-                s.stop()
-                servers.remove(s)
+            phases[-1].update(p_config=p_cfg, d_config=want_d)
+            stop(rt)
+            stop(p)
     finally:
-        for s in servers:
+        for s in list(servers):
             s.stop()
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,

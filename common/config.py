@@ -72,6 +72,9 @@ class PushConfig:
     max_post_regions: int = 8192
     #: how long the transfer thread sleeps when idle (it spins while transfers are in flight)
     idle_poll_s: float = 0.001
+    #: how long it sleeps between polls while a decoder waits for a WRITE (a registered want):
+    #: over UCX the WRITE into D and its notice progress only while D polls
+    await_poll_s: float = 0.0002
     #: staged transfers (pack into a registered staging buffer, a few large WRITEs, unpack):
     #: "auto" uses them when both sides have a staging pool with room, else the region path
     #: (counted in ``staged_fallback{reason}``); "off" allocates no pool and never stages
@@ -98,7 +101,8 @@ class PushConfig:
     def validate(self) -> "PushConfig":
         for name in (
             "heartbeat_interval_s", "rendezvous_ttl_s", "transfer_timeout_s",
-            "handshake_timeout_s", "idle_poll_s", "cancel_retry_s", "fence_timeout_s",
+            "handshake_timeout_s", "idle_poll_s", "await_poll_s", "cancel_retry_s",
+            "fence_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")

@@ -654,6 +654,12 @@ class Decoder:
         # waits for them and no peer needs to make progress for them.
         return self.staged is not None and self.staged.busy()
 
+    def awaiting(self) -> bool:
+        """A registered want waits for WRITEs: the thread polls every ``await_poll_s`` (not
+        ``idle_poll_s``) until they arrive -- NIXL over UCX progresses the WRITE into us and
+        delivers its notice only while we poll, and both are on the request's first token."""
+        return any(w.state == "registered" for w in self.by_reg.values())
+
     def on_peer_silent(self, peer: Peer) -> None:
         """A producer stopped heartbeating: fail what waits for its WRITE, but keep the blocks
         fenced -- it may be frozen with a WRITE in flight."""

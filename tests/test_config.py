@@ -36,6 +36,7 @@ SETTABLE = {
     "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
                   ("false", False), ("No", False), ("0", False), (False, False)],
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
+    "await_poll_s": [("0.0001", 0.0001), (0.001, 0.001)],
     "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
     "max_post_regions": [("16", 16), (1, 1)],
     "staged": [("auto", "auto"), ("off", "off")],
@@ -159,6 +160,7 @@ def test_unknown_key_is_named(key):
     ("fence_timeout_s", "-1"),
     ("fence_timeout_s", 0.5),  # not above cancel_retry_s (1.0)
     ("idle_poll_s", -0.001),
+    ("await_poll_s", 0),
     ("max_post_bytes", 0),
     ("max_post_regions", -1),
     ("idle_poll_s", None),
