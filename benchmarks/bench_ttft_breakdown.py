@@ -3,18 +3,20 @@
 concurrency 1, and the per-stage breakdown of the push requests from ``KV_PUSH_TIMING`` lines.
 
 Real ``vllm serve`` (CPU build) on the suite's tiny model (block 128), started as the
-end-to-end tests start them (``kv_push.common.testing.vllm_servers``): a single server and P on
-core 0, D on core 1, our router in front of P and D. Requests are sequential (concurrency 1),
-alternating single / push, each a streaming ``/v1/completions`` of a distinct random token-id
-prompt (no prefix-cache hits) with ``ignore_eos``; TTFT is measured at the client (first
-streamed chunk with a choice).
+end-to-end tests start them (``kv_push.common.testing.vllm_servers``): a single server and every
+P on core 0, every D on core 1, one of our routers in front of each (P, D) system. Requests go
+one at a time (concurrency 1), each a streaming ``/v1/completions`` of a distinct random
+token-id prompt (no prefix-cache hits) with ``ignore_eos``, each prompt to the single server and
+to every system of the group, the order rotating by one per prompt; TTFT is measured at the
+client (first streamed chunk with a choice).
 
-Phases (``--phases``, names from ``PHASES``): ``auto`` -- P's ``early_prefill_done=auto`` (P
-announces a prefill when its step ran); ``off`` -- ``early_prefill_done=off`` (at
-``request_finished``, one engine step later); ``auto-d1ms`` -- as ``auto`` with D polling every
-1 ms while it awaits a WRITE (``await_poll_s=0.001``, as before that setting existed). Each phase
-runs on a freshly started P (and D, when its settings change); the single server stays up. The
-same prompts are used in every phase.
+Groups (``--groups``, from ``GROUPS``), each on its own freshly started P and D servers (the
+single server stays up), their systems side by side so that load drift weighs on all alike:
+
+* ``early``: ``early_prefill_done=auto`` (P announces a prefill when its step ran) against
+  ``off`` (at ``request_finished``, one engine step later), one D;
+* ``poll``: one P (``auto``), D polling every 0.2 ms while it awaits a WRITE
+  (``await_poll_s`` default) against every 1 ms (``await_poll_s=0.001``: as before it existed).
 
 Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push request
 (``common/timing.py`` lists them) are matched to it by the router's ``router_in`` stamp inside
@@ -25,8 +27,8 @@ Output: ``--out`` (JSON, every request's TTFT and stages) and the same path with
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_ttft_breakdown.py                 # ~4-6 min here
-    .venv/bin/python benchmarks/bench_ttft_breakdown.py --requests 10 --phases auto
+    .venv/bin/python benchmarks/bench_ttft_breakdown.py                 # ~5-8 min here
+    .venv/bin/python benchmarks/bench_ttft_breakdown.py --requests 10 --groups early
 """
 
 from __future__ import annotations
@@ -52,11 +54,18 @@ from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: phase name -> (P's, D's kv_connector_extra_config additions)
-PHASES = {
-    "auto": ({"early_prefill_done": "auto"}, {}),
-    "off": ({"early_prefill_done": "off"}, {}),
-    "auto-d1ms": ({"early_prefill_done": "auto"}, {"await_poll_s": 0.001}),
+#: group -> the P and D servers it starts (name -> their kv_connector_extra_config additions)
+#: and its systems (name -> (P, D) behind one router); a group's systems run side by side
+GROUPS = {
+    "early": {"p": {"p-early-auto": {"early_prefill_done": "auto"},
+                    "p-early-off": {"early_prefill_done": "off"}},
+              "d": {"d": {}},
+              "systems": {"push early=auto": ("p-early-auto", "d"),
+                          "push early=off": ("p-early-off", "d")}},
+    "poll": {"p": {"p": {"early_prefill_done": "auto"}},
+             "d": {"d-await-0.2ms": {}, "d-await-1ms": {"await_poll_s": 0.001}},
+             "systems": {"push await_poll_s=0.0002": ("p", "d-await-0.2ms"),
+                         "push await_poll_s=0.001": ("p", "d-await-1ms")}},
 }
 
 #: the stages of a push request in the order it meets them (common/timing.py)
@@ -153,48 +162,66 @@ def breakdown(per_req: list[dict[str, float]]) -> dict:
     return {"at_ms": at, "segments_ms": segs, "announced": hows, "n": len(per_req)}
 
 
-def run_phase(name: str, single: Server, p: Server, d: Server, rt: Server,
-              work: list[list[int]], args: argparse.Namespace) -> dict:
+def rel(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
+              ds: dict[str, Server], routers: dict[str, Server], work: list[list[int]],
+              args: argparse.Namespace) -> dict:
+    """Requests of ``work`` one at a time, each prompt to the single server and to every system
+    of the group, the order rotating by one per prompt."""
     client = httpx.Client(timeout=120)
-    # warm-up: a few requests each (the first request of a server is slow on CPU)
+    urls = {"single": single.url, **{sys_: routers[sys_].url for sys_ in group["systems"]}}
     warm = prompts(args.warmup, args.prompt_len, args.vocab, seed=99)
-    for w in warm:
-        for url in (single.url, rt.url):
+    for w in warm:  # the first requests of a server are slow on CPU
+        for url in urls.values():
             r = one_request(client, url, w, args.max_tokens)
             if "error" in r:
                 raise RuntimeError(f"warm-up on {url} failed: {r['error']}")
     load0 = os.getloadavg()
-    single_reqs, push_reqs = [], []
+    reqs: dict[str, list[dict]] = {k: [] for k in urls}
+    names = list(urls)
     for i, prompt in enumerate(work):
-        order = [("single", single.url), ("push", rt.url)]
-        if i % 2:
-            order.reverse()
-        for system, url in order:
-            rec = one_request(client, url, prompt, args.max_tokens)
-            (single_reqs if system == "single" else push_reqs).append(rec)
+        k = i % len(names)
+        for system in names[k:] + names[:k]:
+            reqs[system].append(one_request(client, urls[system], prompt, args.max_tokens))
             time.sleep(args.gap_s)
     load1 = os.getloadavg()
-    records = []
-    for server in (rt, p, d):
-        records += timing.parse(server.log_text().splitlines())
-    per_req = [s for s in (stages_of(records, r) for r in push_reqs if "ttft" in r) if s]
-    ext = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    early = metric(p.url, "vllm:kv_push_prefills_announced_early_total")
-    s_sum, p_sum = summarize(single_reqs), summarize(push_reqs)
-    ratio = (p_sum["ttft_p50_ms"] / s_sum["ttft_p50_ms"]
-             if p_sum["ttft_p50_ms"] and s_sum["ttft_p50_ms"] else None)
-    ratio90 = (p_sum["ttft_p90_ms"] / s_sum["ttft_p90_ms"]
-               if p_sum["ttft_p90_ms"] and s_sum["ttft_p90_ms"] else None)
-    log(f"{name}: single p50 {s_sum['ttft_p50_ms']:.1f} ms, push p50 {p_sum['ttft_p50_ms']:.1f} ms "
-        f"({ratio:.2f}x), p90 {s_sum['ttft_p90_ms']:.1f} vs {p_sum['ttft_p90_ms']:.1f} ms; "
-        f"load {load0[0]:.2f} -> {load1[0]:.2f}")
     client.close()
-    return {"phase": name, "single": s_sum, "push": p_sum,
-            "ratio_p50": ratio, "ratio_p90": ratio90,
-            "loadavg_before": load0, "loadavg_after": load1,
-            "d_external_kv_prompt_tokens": ext, "p_prefills_announced_early": early,
-            "breakdown": breakdown(per_req),
-            "requests": {"single": single_reqs, "push": push_reqs, "push_stages": per_req}}
+    records = []
+    for server in [*routers.values(), *ps.values(), *ds.values()]:
+        records += timing.parse(server.log_text().splitlines())
+    single_sum = summarize(reqs["single"])
+    out = {"group": name, "loadavg_before": load0, "loadavg_after": load1,
+           "single": single_sum, "single_requests": reqs["single"], "systems": []}
+    for system, (p_name, d_name) in group["systems"].items():
+        per_req = [st for st in (stages_of(records, r) for r in reqs[system] if "ttft" in r) if st]
+        summ = summarize(reqs[system])
+        out["systems"].append({
+            "system": system, "p": p_name, "d": d_name,
+            "p_config": group["p"][p_name], "d_config": group["d"][d_name], "push": summ,
+            "ratio_p50": rel(summ["ttft_p50_ms"], single_sum["ttft_p50_ms"]),
+            "ratio_p90": rel(summ["ttft_p90_ms"], single_sum["ttft_p90_ms"]),
+            "breakdown": breakdown(per_req), "requests": reqs[system], "stages": per_req})
+    for sys_ in out["systems"]:
+        log(f"{name} / {sys_['system']}: single p50 {single_sum['ttft_p50_ms']:.1f} ms, "
+            f"push p50 {sys_['push']['ttft_p50_ms']:.1f} ms ({sys_['ratio_p50']:.2f}x), p90 "
+            f"{single_sum['ttft_p90_ms']:.1f} vs {sys_['push']['ttft_p90_ms']:.1f} ms")
+    log(f"{name}: load {load0[0]:.2f} -> {load1[0]:.2f}")
+    out["p_prefills_announced_early"] = {
+        n: metric(srv.url, "vllm:kv_push_prefills_announced_early_total") for n, srv in ps.items()}
+    out["d_external_kv_prompt_tokens"] = {
+        n: metric(srv.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        for n, srv in ds.items()}
+    out["d_local_compute_prompt_tokens"] = {
+        n: metric(srv.url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        for n, srv in ds.items()}
+    return out
+
+
+def f1(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def write_md(path: Path, result: dict) -> None:
@@ -202,51 +229,50 @@ def write_md(path: Path, result: dict) -> None:
     lines = [
         "# TTFT breakdown: single server vs P/D push at concurrency 1",
         "",
-        f"`{m['command']}` at {m['date']} (commit {m['commit']}), vLLM CPU build, tiny model "
-        f"(block 128), prompt {m['prompt_len']} tokens, {m['max_tokens']} output tokens, "
-        f"{m['requests']} requests per system and phase, alternating; {m['cpus']} cores "
-        "shared with other work (load averages below).",
+        f"`{m['command']}` at {m['date']} ({m['notes'] or 'commit ' + m['commit']}), vLLM CPU "
+        f"build, tiny model (block 128), prompt {m['prompt_len']} tokens, {m['max_tokens']} "
+        f"output tokens (streamed), {m['requests']} requests per system, one at a time, each "
+        "prompt to every system of its group in rotating order. "
+        f"{m['cpus']} cores shared with other work: see the load averages.",
         "",
-        "| phase | single p50 | single p90 | push p50 | push p90 | p50 ratio | "
+        "| group | system | single p50 | push p50 | p50 ratio | single p90 | push p90 | "
         "p90 ratio | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def f(v):
-        return "-" if v is None else f"{v:.1f}"
-    for ph in result["phases"]:
-        s, p = ph["single"], ph["push"]
-        lines.append(f"| `{ph['phase']}` | {f(s['ttft_p50_ms'])} ms | "
-                     f"{f(s['ttft_p90_ms'])} ms | {f(p['ttft_p50_ms'])} ms | "
-                     f"{f(p['ttft_p90_ms'])} ms | {ph['ratio_p50']:.2f}x | "
-                     f"{ph['ratio_p90']:.2f}x | {ph['loadavg_before'][0]:.2f} -> "
-                     f"{ph['loadavg_after'][0]:.2f} |")
-    lines += ["", "Phases (P's / D's `kv_connector_extra_config` additions): " + "; ".join(
-        f"`{ph['phase']}`: P {json.dumps(ph.get('p_config', {}))}, D "
-        f"{json.dumps(ph.get('d_config', {}))}" for ph in result["phases"]) + ". "
-        "P prefills announced early (P's counter): " + ", ".join(
-        f"`{ph['phase']}` {ph['p_prefills_announced_early']:.0f}" for ph in result["phases"]) + "."]
-    lines += ["", "## Push: stage reached, ms after the client sent the request (median)", ""]
-    names = [ph["phase"] for ph in result["phases"]]
-    lines.append("| stage | " + " | ".join(f"`{n}`" for n in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
+    for g in result["groups"]:
+        s = g["single"]
+        for sy in g["systems"]:
+            p = sy["push"]
+            lines.append(
+                f"| {g['group']} | {sy['system']} | {f1(s['ttft_p50_ms'])} ms | "
+                f"{f1(p['ttft_p50_ms'])} ms | {sy['ratio_p50']:.2f}x | {f1(s['ttft_p90_ms'])} ms "
+                f"| {f1(p['ttft_p90_ms'])} ms | {sy['ratio_p90']:.2f}x | "
+                f"{g['loadavg_before'][0]:.1f} -> {g['loadavg_after'][0]:.1f} |")
+    systems = [(g, sy) for g in result["groups"] for sy in g["systems"]]
+    lines += ["", "Systems (P's / D's `kv_connector_extra_config` additions): " + "; ".join(
+        f"{sy['system']}: P {json.dumps(sy['p_config'])}, D {json.dumps(sy['d_config'])}"
+        for _, sy in systems) + ". P prefills announced early (P's counter, warm-up "
+        "included): " + "; ".join(f"{g['group']}: {g['p_prefills_announced_early']}"
+                                  for g in result["groups"]) + ". Prompt tokens D computed "
+        "itself (must be 0): " + "; ".join(f"{g['group']}: {g['d_local_compute_prompt_tokens']}"
+                                           for g in result["groups"]) + "."]
+    head = "| stage | " + " | ".join(sy["system"] for _, sy in systems) + " |"
+    rule = "|---|" + "---|" * len(systems)
+    lines += ["", "## Push: stage reached, ms after the client sent the request (median)", "",
+              head, rule]
     for st in STAGES:
-        vals = [ph["breakdown"]["at_ms"].get(st) for ph in result["phases"]]
+        vals = [sy["breakdown"]["at_ms"].get(st) for _, sy in systems]
         if any(v is not None for v in vals):
-            lines.append(f"| {st} | " + " | ".join(f(v) for v in vals) + " |")
-    lines += ["", "## Push: critical path, segment medians (ms)", ""]
-    lines.append("| segment | " + " | ".join(f"`{n}`" for n in names) + " |")
-    lines.append("|---|" + "---|" * len(names))
-    segs = [a + " -> " + b for a, b in zip(CRITICAL, CRITICAL[1:])]
-    for sg in segs:
-        vals = [ph["breakdown"]["segments_ms"].get(sg) for ph in result["phases"]]
+            lines.append(f"| {st} | " + " | ".join(f1(v) for v in vals) + " |")
+    lines += ["", "## Push: critical path, segment medians (ms)", "", head.replace("stage",
+                                                                                 "segment"), rule]
+    for a, b in zip(CRITICAL, CRITICAL[1:]):
+        sg = f"{a} -> {b}"
+        vals = [sy["breakdown"]["segments_ms"].get(sg) for _, sy in systems]
         if any(v is not None for v in vals):
-            lines.append(f"| {sg} | " + " | ".join(f(v) for v in vals) + " |")
-    lines += ["", "How P announced each prefill (`p_prefill_done`'s `how`): " + "; ".join(
-        f"`{ph['phase']}`: {ph['breakdown']['announced']}"
-        for ph in result["phases"]), ""]
-    if m.get("notes"):
-        lines += ["Notes: " + m["notes"], ""]
+            lines.append(f"| {sg} | " + " | ".join(f1(v) for v in vals) + " |")
+    lines += ["", "How P announced each measured prefill (`p_prefill_done`'s `how`): " + "; ".join(
+        f"{sy['system']}: {sy['breakdown']['announced']}" for _, sy in systems) + ".", ""]
     path.write_text("\n".join(lines))
 
 
@@ -258,8 +284,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=400, help="token ids drawn below this (the tiny model has 462)")
     ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
-    ap.add_argument("--phases", default="auto,off,auto-d1ms",
-                    help=f"comma-separated, from {sorted(PHASES)}")
+    ap.add_argument("--groups", default="early,poll",
+                    help=f"comma-separated, from {sorted(GROUPS)}")
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"))
     ap.add_argument("--log-dir", default="")
@@ -275,7 +301,7 @@ def main() -> None:
     env = {timing.ENV: "1"}
     work = prompts(args.requests, args.prompt_len, args.vocab, seed=1234)
     servers: list[Server] = []
-    phases = []
+    groups: list[dict] = []
 
     def start(name: str, cpu: int, role: str, cfg: dict) -> tuple[Server, int]:
         kv = free_port()
@@ -285,43 +311,41 @@ def main() -> None:
         servers.append(srv)
         return srv, kv
 
-    def stop(srv: Server) -> None:
-        srv.stop()
-        servers.remove(srv)
-
     try:
         single = vllm_server("single", python=args.python, model=str(model), port=free_port(),
                              cpu=0, log_dir=log_dir, max_model_len=1024)
         servers.append(single)
         fresh = [single]
-        d, d_cfg = None, None
-        for setting in args.phases.split(","):
-            p_cfg, want_d = PHASES[setting]
-            if d is None or want_d != d_cfg:
-                if d is not None:
-                    stop(d)
-                d, _ = start(f"d-{setting}", 1, "kv_consumer", want_d)
-                d_cfg = want_d
-                fresh.append(d)
-            p, p_kv = start(f"p-{setting}", 0, "kv_producer", p_cfg)
-            rt = router(python=args.python, port=free_port(), prefill=[(p.url, p_kv)],
-                        decode=[d.url], log_dir=log_dir, name=f"router-{setting}",
-                        extra_env=env)
-            servers.append(rt)
-            for s in fresh + [p, rt]:
-                s.wait_healthy(300)
+        for gname in args.groups.split(","):
+            group = GROUPS[gname]
+            ps = {n: start(f"{gname}-{n}", 0, "kv_producer", cfg) for n, cfg in group["p"].items()}
+            ds = {n: start(f"{gname}-{n}", 1, "kv_consumer", cfg)[0]
+                  for n, cfg in group["d"].items()}
+            routers = {}
+            for i, (system, (p_name, d_name)) in enumerate(group["systems"].items()):
+                p, p_kv = ps[p_name]
+                routers[system] = router(python=args.python, port=free_port(),
+                                         prefill=[(p.url, p_kv)], decode=[ds[d_name].url],
+                                         log_dir=log_dir, name=f"{gname}-router{i}",
+                                         extra_env=env)
+                servers.append(routers[system])
+            group_servers = [*(p for p, _ in ps.values()), *ds.values(), *routers.values()]
+            for srv in fresh + group_servers:
+                srv.wait_healthy(300)
             fresh = []
-            log(f"phase {setting}: servers up (logs in {log_dir})")
-            phases.append(run_phase(setting, single, p, d, rt, work, args))
-            phases[-1].update(p_config=p_cfg, d_config=want_d)
-            stop(rt)
-            stop(p)
+            log(f"group {gname}: servers up (logs in {log_dir})")
+            groups.append(run_group(gname, group, single, {n: p for n, (p, _) in ps.items()},
+                                    ds, routers, work, args))
+            for srv in group_servers:
+                srv.stop()
+                servers.remove(srv)
     finally:
-        for s in list(servers):
-            s.stop()
+        for srv in list(servers):
+            srv.stop()
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+                            capture_output=True, text=True).stdout.strip() or os.environ.get(
+                                "BENCH_COMMIT", "")
     result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "commit": commit, "command": " ".join(["bench_ttft_breakdown.py",
                                                               *sys.argv[1:]]),
@@ -329,7 +353,7 @@ def main() -> None:
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                        "requests": args.requests, "extra_config": extra, "notes": args.notes,
                        "log_dir": str(log_dir)},
-              "phases": phases}
+              "groups": groups}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
