@@ -144,6 +144,7 @@ def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
 def summarize(reqs: list[dict]) -> dict:
     ttft = [r["ttft"] * 1000 for r in reqs if "ttft" in r]
     return {"n": len(reqs), "errors": sum(1 for r in reqs if "error" in r),
+            "ttft_min_ms": min(ttft) if ttft else None, "ttft_p25_ms": pct(ttft, 0.25),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
             "ttft_mean_ms": statistics.fmean(ttft) if ttft else None}
 
@@ -236,8 +237,8 @@ def write_md(path: Path, result: dict) -> None:
         f"{m['cpus']} cores shared with other work: see the load averages.",
         "",
         "| group | system | single p50 | push p50 | p50 ratio | single p90 | push p90 | "
-        "p90 ratio | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "p90 ratio | single p25 / min | push p25 / min | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in result["groups"]:
         s = g["single"]
@@ -247,6 +248,8 @@ def write_md(path: Path, result: dict) -> None:
                 f"| {g['group']} | {sy['system']} | {f1(s['ttft_p50_ms'])} ms | "
                 f"{f1(p['ttft_p50_ms'])} ms | {sy['ratio_p50']:.2f}x | {f1(s['ttft_p90_ms'])} ms "
                 f"| {f1(p['ttft_p90_ms'])} ms | {sy['ratio_p90']:.2f}x | "
+                f"{f1(s['ttft_p25_ms'])} / {f1(s['ttft_min_ms'])} ms | "
+                f"{f1(p['ttft_p25_ms'])} / {f1(p['ttft_min_ms'])} ms | "
                 f"{g['loadavg_before'][0]:.1f} -> {g['loadavg_after'][0]:.1f} |")
     systems = [(g, sy) for g in result["groups"] for sy in g["systems"]]
     lines += ["", "Systems (P's / D's `kv_connector_extra_config` additions): " + "; ".join(
