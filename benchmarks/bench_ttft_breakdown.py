@@ -285,7 +285,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=400, help="token ids drawn below this (the tiny model has 462)")
+    ap.add_argument("--vocab", type=int, default=400,
+                    help="token ids drawn below this (the tiny model has 462)")
     ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
     ap.add_argument("--groups", default="early,poll",
                     help=f"comma-separated, from {sorted(GROUPS)}")
