@@ -58,6 +58,7 @@ class PushConnectorWorker:
         self._completing: list[PrefillReady] = []  # this step's, not yet announced
         self._saved_now: set[str] = set()  # announced at this step's save: report from the next
         self._held_back: list[str] = []  # released keys of _saved_now, for the next step
+        self._reportable: list[str] = []  # held back in an earlier step: reported at the next call
         self._tids: dict[str, str] = {}  # decoder key -> transfer id (timing lines only)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -93,6 +94,8 @@ class PushConnectorWorker:
         for p in pending:
             self._prefill_done(p, "early_bind")
         self._saved_now.clear()
+        self._reportable += self._held_back
+        self._held_back = []
         if w is None or not plan:
             return
         for p in plan.prefills:
@@ -141,8 +144,8 @@ class PushConnectorWorker:
             return set(), set(), set()
         sending: set[str] = set()
         if w.producer:
-            sending.update(self._held_back)
-            self._held_back = []
+            sending.update(self._reportable)
+            self._reportable = []
             for key in w.drain_released():
                 if key in self._saved_now:  # vLLM ends that request in this step's output
                     self._held_back.append(key)

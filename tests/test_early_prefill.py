@@ -193,6 +193,7 @@ def test_host_backend_announces_at_wait_for_save_and_reports_release_a_step_late
     # the WRITE was quick: released before vLLM ended the request (in this step's output)
     stub.released = ["p1"]
     assert cw.get_finished() == (set(), set(), set())
+    assert cw.get_finished() == (set(), set(), set())  # asked again in the same step: still not
     cw.handle(StepPlan())  # the next step
     cw.on_saved()
     assert cw.get_finished() == ({"p1"}, set(), set())
