@@ -192,6 +192,9 @@ class HostBackend:
     nixl_progress_thread = False
     #: host KV blocks are copied whole as large regions already: no pool unless configured
     default_staging_bytes = 0
+    #: a step's KV is in memory when vLLM's ``wait_for_save`` runs (the CPU forward is
+    #: synchronous): a prefill completed in that step may be announced then
+    kv_ready_at_save = True
 
     @classmethod
     def available(cls) -> bool:

@@ -26,6 +26,10 @@ class ConfigError(ValueError):
     pass
 
 
+#: values of ``early_prefill_done``
+EARLY_PREFILL_DONE = ("auto", "off")
+
+
 @dataclass(frozen=True)
 class PushConfig:
     #: where a producer worker listens for decoders' handshakes (its tp_rank is added to the port)
@@ -68,6 +72,9 @@ class PushConfig:
     max_post_regions: int = 8192
     #: how long the transfer thread sleeps when idle (it spins while transfers are in flight)
     idle_poll_s: float = 0.001
+    #: how long it sleeps between polls while a decoder waits for a WRITE (a registered want):
+    #: over UCX the WRITE into D and its notice progress only while D polls
+    await_poll_s: float = 0.0002
     #: staged transfers (pack into a registered staging buffer, a few large WRITEs, unpack):
     #: "auto" uses them when both sides have a staging pool with room, else the region path
     #: (counted in ``staged_fallback{reason}``); "off" allocates no pool and never stages
@@ -81,6 +88,11 @@ class PushConfig:
     producer_staging_bytes: int = -1
     #: target bytes of one staged chunk (one WRITE + one notice; a group of whole layers)
     staging_chunk_bytes: int = 512 << 20
+    #: a producer announces a prefill when the step that completes it ran (its KV is written),
+    #: not one engine step later at vLLM's ``request_finished``: "auto" does so where that is
+    #: provably safe (vLLM runs one batch at a time: no async scheduling, no pipeline
+    #: parallelism; full attention only; see ``connector_scheduler``), "off" never
+    early_prefill_done: str = "auto"
 
     @property
     def peer_timeout_s(self) -> float:
@@ -89,7 +101,8 @@ class PushConfig:
     def validate(self) -> "PushConfig":
         for name in (
             "heartbeat_interval_s", "rendezvous_ttl_s", "transfer_timeout_s",
-            "handshake_timeout_s", "idle_poll_s", "cancel_retry_s", "fence_timeout_s",
+            "handshake_timeout_s", "idle_poll_s", "await_poll_s", "cancel_retry_s",
+            "fence_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -114,6 +127,9 @@ class PushConfig:
             if getattr(self, name) < -1:
                 raise ConfigError(f"{name} must be -1 (backend default), 0 (none) or a size in "
                                   f"bytes, got {getattr(self, name)!r}")
+        if self.early_prefill_done not in EARLY_PREFILL_DONE:
+            raise ConfigError(f"early_prefill_done must be one of {', '.join(EARLY_PREFILL_DONE)}"
+                              f", got {self.early_prefill_done!r}")
         if self.staging_chunk_bytes <= 0:
             raise ConfigError(f"staging_chunk_bytes must be positive, got "
                               f"{self.staging_chunk_bytes!r}")

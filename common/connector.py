@@ -35,6 +35,22 @@ from .metrics import Counters
 logger = logging.getLogger(__name__)
 
 
+def _early_prefill_done(config: PushConfig, vllm_config: Any) -> bool:
+    """Whether the producer announces prefills when their step ran (``early_prefill_done``:
+    ``auto`` where ``connector_scheduler``'s conditions hold), said once at start-up."""
+    if config.early_prefill_done == "off":
+        logger.info("kv_push: early prefill announcement off (early_prefill_done=off)")
+        return False
+    for check in (compat.one_batch_at_a_time, compat.full_attention_only):
+        ok, why = check(vllm_config)
+        if not ok:
+            logger.info("kv_push: early prefill announcement off: %s (prefills are announced "
+                        "at request_finished, one engine step later)", why)
+            return False
+    logger.info("kv_push: early prefill announcement on")
+    return True
+
+
 class PushConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan):
         self.plan = plan
@@ -64,12 +80,15 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                 side_channel_port=pc.side_channel_port,
                 tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
                 pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)))
-            self._scheduler = PushScheduler(is_producer=self.kv_role in ("producer", "both"),
+            is_producer = self.kv_role in ("producer", "both")
+            self._scheduler = PushScheduler(is_producer=is_producer,
                                             is_decoder=self.kv_role in ("decoder", "both"),
                                             block_size=block_size, counters=Counters(),
                                             secret=pc.secret,
                                             random_suffix=compat.request_id_random_suffix(),
-                                            upstream_reply=reply)
+                                            upstream_reply=reply,
+                                            early_prefill_done=is_producer and _early_prefill_done(
+                                                pc, vllm_config))
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 
@@ -108,7 +127,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         return None
 
     def wait_for_save(self) -> None:
-        return None
+        self._worker.on_saved()  # host backend: the step's completing prefills go now
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving, _failed = self._worker.get_finished()
@@ -148,9 +167,10 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return PushConnectorMetadata(self._scheduler.take_plan())
+        return PushConnectorMetadata(self._scheduler.take_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.on_step_output()
         self._scheduler.on_send_finished(connector_output.finished_sending or ())
         self._scheduler.on_recv_finished(connector_output.finished_recving or ())
 

@@ -8,6 +8,32 @@ It runs in vLLM's scheduler (engine-core) process and never touches NIXL. Each s
   and stages a ``PrefillReady``; the workers hand it to the rendezvous. The blocks are freed when
   every worker reports the request in ``finished_sending``. A request that ends without a
   usable prefill (aborted, error) stages ``prefill_aborts`` so decoders hear at once.
+
+  **Early announcement** (``early_prefill_done``): ``request_finished`` runs in the step *after*
+  the prefill step's output, one engine step late. So when the plan of a step is built
+  (``take_plan(scheduler_output)``, at the end of vLLM's ``schedule``, after every preemption
+  of that step), each producer request that this step completes is put in
+  ``StepPlan.completing``: a new request (first scheduled now) with ``max_tokens == 1`` whose
+  scheduled tokens reach the end of its prompt. The workers hand those to the rendezvous once
+  the step's KV is written (host backend: at ``wait_for_save``; accelerators: at the next
+  step's bind, when the host has synchronised on the step's sampled tokens).
+  ``request_finished`` then holds the blocks and stages nothing. Why this is safe, where the
+  connector enables it (``one_batch_at_a_time`` and full attention; see ``vllm_compat``):
+  - the request is in the step's output (vLLM builds the plan after its preemptions), so its
+    prefill runs and its blocks are those of ``NewRequestData``; a request preempted, aborted or
+    still queued before the plan was built is not announced;
+  - with ``max_tokens == 1`` the step's output ends the request (one token sampled), so
+    nothing is scheduled between the announcement and ``request_finished`` (one batch at a
+    time: nothing else is planned before that output was processed), and no later step
+    writes into the prompt's blocks;
+  - whatever ``request_finished`` then says -- also an abort that arrived while the step ran,
+    or an error status -- the blocks are held (delay free) until the workers report the
+    request in ``finished_sending``: the source may already be in a WRITE, and its KV is
+    complete (the step ran). A client that went away is freed by the router's ``Release`` or
+    ``rendezvous_ttl_s``, as for any prefill. No ``PrefillReady`` and no ``PrefillAborted`` is
+    staged for it: one announcement per request;
+  - a prompt prefilled in several chunks, a resumed request, ``max_tokens > 1``, a model whose
+    block ids come in several groups: not announced early (``request_finished`` as before).
 * decoder (``kv_consumer``): ``get_num_new_matched_tokens`` claims the prompt tokens the
   decoder does not have locally, asynchronously; ``update_state_after_alloc`` stages an
   ``Expect`` with the freshly allocated block ids; the workers register them with the producer.
@@ -43,6 +69,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from . import timing
 from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
 from .messages import MAX_ID_CHARS, prompt_digest
 from .metrics import Counters, LogLimiter
@@ -259,10 +286,13 @@ class StepPlan:
     #: decoder requests vLLM no longer waits for (re-scheduled to compute locally): fence and
     #: release their blocks, but report nothing
     abandons: list[str] = field(default_factory=list)
+    #: producer requests whose prefill this step completes (early announcement, see the module
+    #: doc): the workers hand them to the rendezvous once the step's KV is written
+    completing: list[PrefillReady] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels
-                    or self.abandons)
+                    or self.abandons or self.completing)
 
 
 @dataclass
@@ -282,13 +312,14 @@ class PushScheduler:
     ``upstream_transfer_id``; ``vllm_compat.request_id_random_suffix``). ``upstream_reply``:
     what a producer adds to its answer to an upstream-form leg besides the transfer id -- the
     keys vLLM's own producer answers with, by which routers built for it learn how to address
-    the decoder leg (``upstream_reply``).
+    the decoder leg (``upstream_reply``). ``early_prefill_done``: announce producer requests
+    in ``StepPlan.completing`` (see the module doc); the connector decides where it is safe.
     """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
                  counters: Counters | None = None, secret: bytes = b"",
                  random_suffix: bool = False, upstream_reply: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, early_prefill_done: bool = False):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
@@ -305,6 +336,13 @@ class PushScheduler:
         self._waiting: dict[str, _Waiting] = {}  # decoder requests we claimed tokens for
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
         self._held: set[str] = set()  # producer requests whose blocks we keep
+        self.early_prefill_done = early_prefill_done and is_producer
+        # producer requests announced in a step's ``completing`` whose request_finished is due
+        self._announced: dict[str, PrefillReady] = {}
+        # timing lines only: decoder requests received (-> transfer id) not yet planned, and
+        # those planned in the step whose output comes next
+        self._recv_tids: dict[str, str] = {}
+        self._first_step: dict[str, str] = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
@@ -326,6 +364,9 @@ class PushScheduler:
                                "serving it without KV transfer", rid, e.reason, e)
             params = None
         self._verdicts[rid] = params
+        if timing.ENABLED and params is not None:
+            timing.stamp("d_sched" if params.do_remote_prefill else "p_sched",
+                         params.transfer_id, key=rid)
         return params
 
     # -- decoder ---------------------------------------------------------------------------------
@@ -385,8 +426,18 @@ class PushScheduler:
 
     def on_recv_finished(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
-            if self._waiting.pop(rid, None) is not None:
+            w = self._waiting.pop(rid, None)
+            if w is not None:
                 self._received.add(rid)
+                if timing.ENABLED:
+                    self._recv_tids[rid] = w.params.transfer_id
+
+    def on_step_output(self) -> None:
+        """vLLM processed a step's output (``update_connector_output``): timing lines only."""
+        if timing.ENABLED and self._first_step:
+            for rid, tid in self._first_step.items():
+                timing.stamp("d_first_step_done", tid, key=rid)
+            self._first_step.clear()
 
     # -- both ------------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int], finished_ok: bool
@@ -399,6 +450,8 @@ class PushScheduler:
     def _request_finished(self, request, block_ids: list[int], finished_ok: bool
                           ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        if timing.ENABLED:
+            self._recv_tids.pop(rid, None)
         was_received = rid in self._received
         self._received.discard(rid)
         w = self._waiting.pop(rid, None)
@@ -423,6 +476,20 @@ class PushScheduler:
         params = self._params(request)
         if params is None or not params.do_remote_decode:
             return False, None
+        early = self._announced.pop(rid, None)
+        if early is not None:
+            # announced when its step ran: hold the blocks whatever the status says (the KV is
+            # complete and a WRITE may already read it); announce nothing again
+            missing = set(early.block_ids) - set(block_ids)
+            if missing:  # cannot happen with full attention; say so loudly if it does
+                logger.error("kv_push: request %s ends without blocks %s it was announced with; "
+                             "they stay held by vLLM only as long as the request's own",
+                             rid, sorted(missing))
+            self._held.add(rid)
+            reply = {"transfer_id": params.transfer_id}
+            if params.upstream:
+                reply.update(self._upstream_reply, remote_request_id=rid)
+            return True, reply
         digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if not finished_ok or not block_ids:
             self._plan.prefill_aborts.append(
@@ -441,8 +508,58 @@ class PushScheduler:
         self._held.difference_update(req_ids)
 
     def has_pending_work(self) -> bool:
-        return bool(self._held) or bool(self._plan)
+        return bool(self._held) or bool(self._plan) or bool(self._announced)
 
-    def take_plan(self) -> StepPlan:
+    def take_plan(self, scheduler_output: Any = None) -> StepPlan:
+        """The step's plan. ``scheduler_output``: vLLM's ``SchedulerOutput`` of the step, from
+        which the producer's ``completing`` requests are found (early announcement)."""
+        if self.early_prefill_done and scheduler_output is not None:
+            self._find_completing(scheduler_output)
+        if timing.ENABLED and self._recv_tids and scheduler_output is not None:
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            for rid in [r for r in self._recv_tids if r in scheduled]:
+                tid = self._recv_tids.pop(rid)
+                timing.stamp("d_scheduled", tid, key=rid)
+                self._first_step[rid] = tid
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+    def _find_completing(self, out: Any) -> None:
+        """Put in the plan each producer request that this step completes (module doc)."""
+        scheduled = getattr(out, "num_scheduled_tokens", None) or {}
+        for new in getattr(out, "scheduled_new_reqs", None) or ():
+            rid = getattr(new, "req_id", None)
+            if rid is None or rid in self._announced or rid not in self._verdicts:
+                continue
+            params = self._verdicts[rid]
+            if params is None or not params.do_remote_decode:
+                continue
+            sp = getattr(new, "sampling_params", None)
+            if sp is None or getattr(sp, "max_tokens", None) != 1:
+                continue
+            prompt = getattr(new, "prompt_token_ids", None)
+            if not prompt:
+                continue
+            n = len(prompt)
+            if int(getattr(new, "num_computed_tokens", 0)) + int(scheduled.get(rid, 0)) < n:
+                continue  # a chunk, not the end of the prompt
+            blocks = _single_group(getattr(new, "block_ids", ()))
+            need = -(-n // self.block_size)
+            if blocks is None or len(blocks) < need:
+                continue
+            ready = PrefillReady(rid, params.transfer_id, tuple(int(b) for b in blocks[:need]),
+                                 n, prompt_digest(prompt), params.fanout)
+            self._announced[rid] = ready
+            self._plan.completing.append(ready)
+            self.counters.inc("prefills_announced_early")
+
+
+def _single_group(block_ids: Any) -> list[int] | None:
+    """The block ids of a request's only KV cache group (``NewRequestData.block_ids``: one list
+    per group; older vLLM: one list), or None when there are several groups in use."""
+    ids = list(block_ids or ())
+    if ids and isinstance(ids[0], (list, tuple)):
+        if any(ids[1:]):
+            return None
+        return list(ids[0])
+    return ids

@@ -2,10 +2,14 @@
 
 Runs in each vLLM worker process (one per TP rank). ``register_kv_caches`` describes the KV
 tensors (through the chosen backend) and starts the ``PushWorker``; ``handle`` hands a step's
-metadata to the transfer thread (enqueue only); ``get_finished`` drains what the transfer thread
-finished:
+metadata to the transfer thread (enqueue only); ``on_saved`` (vLLM's ``wait_for_save``) hands it
+the step's ``completing`` prefills where the backend's KV is written by then (host), else the
+next ``handle`` does (``connector_scheduler``: early announcement); ``get_finished`` drains what
+the transfer thread finished:
 
-* ``finished_sending``: producer requests whose blocks may be freed;
+* ``finished_sending``: producer requests whose blocks may be freed (one announced early at
+  this step's ``wait_for_save`` only from the next step on: vLLM frees the blocks of each
+  request it is told about, and that request ends only in this step's output);
 * ``finished_recving``: decoder requests whose KV arrived -- or failed (their block ids are
   reported once through ``get_block_ids_with_load_errors``, and vLLM recomputes or fails them
   per ``kv_load_failure_policy``) -- or that were aborted and are now safe to free.
@@ -18,7 +22,8 @@ from typing import Any
 
 from .backend import select_backend
 from .config import PushConfig
-from .connector_scheduler import RELEASE_KEY_PREFIX, StepPlan
+from . import timing
+from .connector_scheduler import RELEASE_KEY_PREFIX, PrefillReady, StepPlan
 from .kv_tensors import describe_kv_caches
 from .metrics import Counters, LogLimiter
 from .worker import PushWorker
@@ -47,6 +52,14 @@ class PushConnectorWorker:
         self._load_errors: set[int] = set()
         self._abandoned: set[str] = set()  # decoder keys whose outcome vLLM no longer expects
         self._attempts: dict[str, int] = {}  # decoder key -> the attempt vLLM waits for
+        #: the KV a step computes is in memory when ``wait_for_save`` runs (host: the forward
+        #: ran synchronously); else it is ordered before the next step's bind
+        self.kv_ready_at_save = bool(getattr(self.backend, "kv_ready_at_save", False))
+        self._completing: list[PrefillReady] = []  # this step's, not yet announced
+        self._saved_now: set[str] = set()  # announced at this step's save: report from the next
+        self._held_back: list[str] = []  # released keys of _saved_now, for the next step
+        self._reportable: list[str] = []  # held back in an earlier step: reported at the next call
+        self._tids: dict[str, str] = {}  # decoder key -> transfer id (timing lines only)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors, seen = [], set()
@@ -74,11 +87,19 @@ class PushConnectorWorker:
     def handle(self, plan: StepPlan) -> None:
         """Hand one step's work to the transfer thread. Enqueue only."""
         w = self.worker
+        # the previous step's work is ordered before this bind: its completing prefills go now
+        # (accelerators; or a step whose wait_for_save did not come), and what was announced
+        # at its save may be reported released from this step on
+        pending, self._completing = self._completing, list(plan.completing)
+        for p in pending:
+            self._prefill_done(p, "early_bind")
+        self._saved_now.clear()
+        self._reportable += self._held_back
+        self._held_back = []
         if w is None or not plan:
             return
         for p in plan.prefills:
-            w.prefill_done(p.req_id, p.transfer_id, p.block_ids, p.num_tokens,
-                           prompt_digest=p.prompt_digest, capacity=p.capacity)
+            self._prefill_done(p, "request_finished")
         for a in plan.prefill_aborts:
             w.prefill_failed(a.transfer_id, "prefill request ended without output",
                              prompt_digest=a.prompt_digest, capacity=a.capacity)
@@ -94,13 +115,42 @@ class PushConnectorWorker:
         for key in plan.abandons:
             self._abandoned.add(key)
             w.cancel(key, "request re-scheduled to compute locally")
+        if timing.ENABLED:
+            for e in plan.expects:
+                self._tids[e.key] = e.transfer_id
+                timing.stamp("d_expect", e.transfer_id, key=e.key)
+
+    def on_saved(self) -> None:
+        """vLLM's ``wait_for_save``: the step's forward ran. Where its KV is in memory now
+        (host backend), hand the step's completing prefills to the rendezvous."""
+        if self.kv_ready_at_save and self._completing:
+            done, self._completing = self._completing, []
+            for p in done:
+                self._prefill_done(p, "early_save")
+            self._saved_now.update(p.req_id for p in done)
+
+    def _prefill_done(self, p: PrefillReady, how: str) -> None:
+        if self.worker is None:
+            return
+        if timing.ENABLED:
+            timing.stamp("p_prefill_done", p.transfer_id, key=p.req_id, how=how)
+        self.worker.prefill_done(p.req_id, p.transfer_id, p.block_ids, p.num_tokens,
+                                 prompt_digest=p.prompt_digest, capacity=p.capacity)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving); failed ids are also in recving."""
         w = self.worker
         if w is None:
             return set(), set(), set()
-        sending = set(w.drain_released()) if w.producer else set()
+        sending: set[str] = set()
+        if w.producer:
+            sending.update(self._reportable)
+            self._reportable = []
+            for key in w.drain_released():
+                if key in self._saved_now:  # vLLM ends that request in this step's output
+                    self._held_back.append(key)
+                else:
+                    sending.add(key)
         recving: set[str] = set()
         failed: set[str] = set()
         if w.decoder:
@@ -123,6 +173,9 @@ class PushConnectorWorker:
                     self._load_errors.update(blocks)
                     failed.add(o.key)
                 recving.add(o.key)
+                if timing.ENABLED:
+                    timing.stamp("d_recv_reported", self._tids.pop(o.key, ""), key=o.key,
+                                 outcome=o.kind)
         return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:

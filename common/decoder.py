@@ -68,6 +68,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from . import timing
 from .geometry import GeometryError
 from .layout import writer_ranks
 from .messages import (
@@ -289,6 +290,8 @@ class Decoder:
                 return
             want.told[rank] = _Told(peer, writes=rank in writers)
             self.ctx.counters.inc("registrations_sent")
+            if timing.ENABLED:
+                timing.stamp("d_register_sent", want.transfer_id, key=want.key, rank=rank)
         self._check(want)
 
     def _reserve_slot(self, want: _Want, remote: _Remote, writers: set[int]):
@@ -558,6 +561,8 @@ class Decoder:
             writers = [t for t in want.told.values() if t.writes]
             if all(t.arrived for t in writers):
                 if writers and want.emits:  # a release-only registration transfers nothing
+                    if timing.ENABLED:
+                        timing.stamp("d_write_done", want.transfer_id, key=want.key)
                     self.ctx.counters.inc("transfers_done")
                     self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - want.started)
                 self._finish(want, "received", "")
@@ -648,6 +653,12 @@ class Decoder:
         # latency. Unpacks running on the device are polled by spinning, though: the request
         # waits for them and no peer needs to make progress for them.
         return self.staged is not None and self.staged.busy()
+
+    def awaiting(self) -> bool:
+        """A registered want waits for WRITEs: the thread polls every ``await_poll_s`` (not
+        ``idle_poll_s``) until they arrive -- NIXL over UCX progresses the WRITE into us and
+        delivers its notice only while we poll, and both are on the request's first token."""
+        return any(w.state == "registered" for w in self.by_reg.values())
 
     def on_peer_silent(self, peer: Peer) -> None:
         """A producer stopped heartbeating: fail what waits for its WRITE, but keep the blocks

@@ -28,6 +28,8 @@ COUNTERS = {
     "queue_wait_seconds": "sum of seconds work waited in the transfer thread's inbox",
     "registrations_early": "registrations that arrived before the prefill finished",
     "registrations_late": "registrations that arrived after the prefill finished",
+    "prefills_announced_early": "producer prefills announced when their step ran, not one step "
+                                "later at request_finished (early_prefill_done)",
     "registrations_sent": "registrations sent by this decoder",
     "cancels": "cancels sent (decoder) or honoured (producer)",
     "cancels_resent": "unanswered cancels sent again (decoder)",

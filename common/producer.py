@@ -60,6 +60,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import timing
 from .geometry import GeometryError
 from .layout import fragmentation, plan_writes, target_ranks
 from .messages import (
@@ -378,6 +379,9 @@ class Producer:
     # -- transfers -----------------------------------------------------------------------------
     def _start(self, pairing: Pairing) -> None:
         src, reg = pairing.source, pairing.registration
+        if timing.ENABLED:
+            timing.stamp("p_pair", reg.transfer_id, key=src.key, reg=reg.request[1],
+                         rank=reg.tp_rank)
         peer = self.ctx.peer(reg.peer)
         if src.failure:
             self._tell_failed(reg, f"prefill failed: {src.failure}", 0)
@@ -456,6 +460,9 @@ class Producer:
             return
         job.handles.append(handle)
         self.ctx.counters.inc("writes_posted")
+        if timing.ENABLED:
+            timing.stamp("p_write_posted", job.reg.transfer_id, chunk=notice.chunk,
+                         chunks=notice.chunks, bytes=notice.num_bytes)
 
     def _poll_job(self, jkey: JobKey) -> None:
         job = self.jobs[jkey]
@@ -499,6 +506,9 @@ class Producer:
         else:
             self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
             if not job.pending:
+                if timing.ENABLED:
+                    timing.stamp("p_write_done", reg.transfer_id, key=src.key,
+                                 bytes=job.num_bytes)
                 self.ctx.counters.inc("transfers_done")
                 self.ctx.counters.inc("bytes_written", job.num_bytes)
                 self.ctx.counters.inc("transfer_seconds", self.ctx.clock() - job.started)

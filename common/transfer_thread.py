@@ -20,7 +20,9 @@ Everything that touches the agent runs here; everything else only hands work in.
    goodbyes go only to peers heard from, so that wait never lands on this thread for a peer that
    is gone or never loaded us;
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
-   progresses when called, on both sides -- else wait on the wake event up to ``idle_poll_s``.
+   progresses when called, on both sides -- else wait on the wake event up to ``await_poll_s``
+   while a role awaits a peer's WRITE (a decoder's registered want: the WRITE into it and its
+   notice progress only while it polls; a sleep, not a spin), else up to ``idle_poll_s``.
 
 ``close()`` stops the loop, lets the WRITEs in flight finish (at most half the close time-out;
 their completions are sent as usual), says goodbye to every peer it is no longer writing to, closes
@@ -102,6 +104,10 @@ class Role(Protocol):
         """True while a WRITE of this role into ``agent_name``'s memory may be in flight (the
         thread then sends that peer no goodbye at close). Optional: absent means never."""
 
+    def awaiting(self) -> bool:
+        """True while the role waits for a peer's WRITE into this worker (the thread then polls
+        every ``await_poll_s`` instead of ``idle_poll_s``). Optional: absent means never."""
+
 
 class RoleContext(Protocol):
     """What a role may use of the transfer thread that runs it. ``TransferThread`` provides it.
@@ -177,6 +183,10 @@ class RoleContext(Protocol):
     # -- work --
     def submit(self, fn: Callable[[], Any]) -> None:
         """(any thread) Run ``fn`` on the transfer thread, soon. Never blocks."""
+
+
+def _never() -> bool:
+    return False
 
 
 class TransferThread:
@@ -348,7 +358,8 @@ class TransferThread:
                 if busy:
                     time.sleep(0)  # in flight: keep NIXL progressing, but let others run
                     continue
-                self._wake.wait(self.config.idle_poll_s)
+                self._wake.wait(self.config.await_poll_s if self._awaiting()
+                                else self.config.idle_poll_s)
                 self._wake.clear()
         finally:
             self._shutdown()
@@ -431,6 +442,14 @@ class TransferThread:
                                now - peer.last_heard)
                 for role in self.roles:
                     self._guard(role.on_peer_silent, peer, context=f"peer {peer.agent_name} silent")
+
+    def _awaiting(self) -> bool:
+        """A role waits for a peer's WRITE (``Role.awaiting``, optional): poll more often."""
+        try:
+            return any(getattr(role, "awaiting", _never)() for role in self.roles)
+        except Exception:  # a role's bookkeeping must not stop the loop: poll as when idle
+            logger.exception("kv_push: awaiting() failed")
+            return False
 
     def _may_call(self, peer: Peer) -> bool:
         """May an unsolicited message go to ``peer`` now without waiting on its handshake?"""

@@ -10,6 +10,10 @@ Supported: vLLM 0.29 and 0.32 (tested end to end here with the CPU build), and t
   ``get_block_ids_with_load_errors``.
 * ``has_pending_push_work``: keeps the producer's engine loop stepping while blocks wait for
   their WRITEs; where absent, vLLM keeps stepping while requests hold delayed-free blocks.
+* One batch at a time (``one_batch_at_a_time``): whether the scheduler plans a step only after
+  the previous step's output was processed -- no async scheduling (0.32 turns it on by default
+  on GPUs, off on CPU), no pipeline parallelism (``max_concurrent_batches`` where present).
+  The producer's early prefill announcement relies on it.
 * Engine request ids: 0.29 and 0.32 append ``-<8 hex>`` to each unless
   ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set (``request_id_random_suffix``); the upstream
   request form's transfer id must leave it out.
@@ -120,3 +124,38 @@ def request_id_random_suffix() -> bool:
     if name not in getattr(envs, "environment_variables", {}):
         return False
     return not envs.environment_variables[name]()
+
+
+def one_batch_at_a_time(vllm_config: Any) -> tuple[bool, str]:
+    """(True, "") when vLLM runs one engine step at a time -- the scheduler plans step N+1 only
+    after step N's output was processed (no async scheduling, no pipeline parallelism): a
+    request scheduled to complete its prefill in a step then ends in that step's output, before
+    anything else is scheduled. Else (False, why)."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sc, "async_scheduling", False):
+        return False, "async scheduling is on"
+    pp = int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+             or 1)
+    if pp > 1:
+        return False, f"pipeline parallel size {pp}"
+    try:
+        batches = int(getattr(vllm_config, "max_concurrent_batches", 1))
+    except Exception:  # a config object without the parts the property reads
+        batches = 1
+    if batches > 1:
+        return False, f"{batches} concurrent batches"
+    return True, ""
+
+
+def full_attention_only(vllm_config: Any) -> tuple[bool, str]:
+    """(True, "") when the model keeps every prompt block until the request ends (no sliding
+    window: vLLM frees out-of-window blocks before ``request_finished``). Else (False, why)."""
+    mc = getattr(vllm_config, "model_config", None)
+    get = getattr(mc, "get_sliding_window", None)
+    try:
+        window = get() if get is not None else None
+    except Exception:  # an older config without it: assume the worst
+        return False, "sliding window unknown"
+    if window:
+        return False, f"sliding window {window}"
+    return True, ""

@@ -36,12 +36,14 @@ SETTABLE = {
     "colocated": [("true", True), ("TRUE", True), ("yes", True), ("1", True), (True, True),
                   ("false", False), ("No", False), ("0", False), (False, False)],
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
+    "await_poll_s": [("0.0001", 0.0001), (0.001, 0.001)],
     "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
     "max_post_regions": [("16", 16), (1, 1)],
     "staged": [("auto", "auto"), ("off", "off")],
     "decoder_staging_bytes": [("-1", -1), (0, 0), ("1073741824", 1 << 30)],
     "producer_staging_bytes": [(-1, -1), ("0", 0), (4096, 4096)],
     "staging_chunk_bytes": [("536870912", 512 << 20), (1, 1)],
+    "early_prefill_done": [("auto", "auto"), ("off", "off")],
 }
 
 
@@ -158,6 +160,7 @@ def test_unknown_key_is_named(key):
     ("fence_timeout_s", "-1"),
     ("fence_timeout_s", 0.5),  # not above cancel_retry_s (1.0)
     ("idle_poll_s", -0.001),
+    ("await_poll_s", 0),
     ("max_post_bytes", 0),
     ("max_post_regions", -1),
     ("idle_poll_s", None),
@@ -189,6 +192,10 @@ def test_unknown_key_is_named(key):
     ("producer_staging_bytes", 1.5),
     ("staging_chunk_bytes", 0),
     ("staging_chunk_bytes", -4096),
+    ("early_prefill_done", "on"),
+    ("early_prefill_done", "AUTO"),
+    ("early_prefill_done", True),
+    ("early_prefill_done", ""),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:
@@ -253,3 +260,8 @@ def test_peer_timeout_derived(interval):
     assert c.peer_timeout_s == pytest.approx(1.5 * float(interval))
     with pytest.raises(ConfigError, match="peer_timeout_s"):
         PushConfig.from_sources({"peer_timeout_s": 3}, env={})  # derived, not settable
+
+
+def test_a_bad_early_prefill_done_says_what_it_accepts():
+    with pytest.raises(ConfigError, match=r"early_prefill_done must be one of auto, off, got 'yes'"):
+        PushConfig.from_sources({"early_prefill_done": "yes"}, env={})

@@ -780,3 +780,18 @@ def test_a_refusal_decided_here_is_counted_as_rejected_and_as_a_refusal():
     assert b.d.count("rejected", label="secret_mismatch") == 1
     assert b.d.count("handshake_refusals", label=f"{HOST}:{PORT} {reason}") == 1
     assert b.d.count("handshake_failures") == 1
+
+
+def test_it_awaits_only_while_a_registered_want_waits_for_its_writes():
+    """The transfer thread polls every await_poll_s (not idle_poll_s) only then: over UCX the
+    WRITE into D and its notice progress only while D polls (issue 12 item 4)."""
+    b = Bench()
+    assert not b.decoder.awaiting() and not b.d.thread._awaiting()
+    b.expect()
+    assert b.decoder.awaiting() and b.d.thread._awaiting()
+    b.write_done()
+    assert b.outcomes() == [Outcome("req-1", "received")]
+    assert not b.decoder.awaiting()
+    b.expect("req-2", "t2", blocks=(4, 5))
+    b.cancel("req-2")  # fencing: waits for the producer's answer, not for a WRITE
+    assert not b.decoder.awaiting()

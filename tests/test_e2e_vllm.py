@@ -113,6 +113,9 @@ def test_outputs_identical_to_single_server(stack, prompts):
     assert ext > 0 and local == 0, (ext, hit, local)
     assert metric(d.url, "vllm:kv_push_transfers_done_total") >= NUM_PROMPTS
     assert metric(stack["p"].url, "vllm:kv_push_bytes_written_total") > 0
+    # P announced them when their prefill step ran, not a step later (early_prefill_done=auto:
+    # vLLM's CPU build runs one batch at a time)
+    assert metric(stack["p"].url, "vllm:kv_push_prefills_announced_early_total") >= NUM_PROMPTS
 
 
 def test_prefix_cache_hit_on_decoder_writes_only_the_tail(stack, prompts):

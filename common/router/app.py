@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
+from kv_push.common import timing
 from kv_push.common.auth import TransferParamsSigner
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
@@ -191,12 +192,16 @@ class Exchange:
         self.labels = {"endpoint": endpoint, "mode": router.config.mode}
         self.decode_output = False  # D produced output: its engine saw the request and has it
         self._closed = False
+        if timing.ENABLED:
+            timing.stamp("router_in", self.tid, endpoint=endpoint)
 
     async def close(self) -> None:
         """Cancel what must not outlive the response; hand a still-running P to the router."""
         if self._closed:
             return
         self._closed = True
+        if timing.ENABLED:
+            timing.stamp("router_out", self.tid, outcome=self.outcome)
         if not self.decode_output:
             self.router.release(self)  # queued only: the response is not delayed
         p, d = self.p_task, self.d_task
@@ -387,6 +392,8 @@ class Router:
                     raise ValueError("response is not a JSON object")
             except (httpx.HTTPError, ValueError) as exc:
                 raise self.failure(ex, "prefill", url, exc) from None
+            if timing.ENABLED:
+                timing.stamp("router_p_done", ex.tid)
             if self.config.mode == "upstream-push":
                 self._learn_peer(url, data.get("kv_transfer_params"))
             return data
@@ -425,6 +432,8 @@ class Router:
                 first = await resp.aread()
                 output = True
             self.metrics.ttfb.labels(**ex.labels).observe(time.perf_counter() - ex.t0)
+            if timing.ENABLED:
+                timing.stamp("router_first_byte", ex.tid)
             return DecodeStream(resp, first, rest, output)
         except BaseException as exc:
             await resp.aclose()
@@ -546,6 +555,8 @@ class Router:
 
         d_body = dict(ex.body, kv_transfer_params=d_params)
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
+        if timing.ENABLED:
+            timing.stamp("router_legs_sent", ex.tid)
         waiting: set[asyncio.Future] = {ex.p_task, ex.d_task, ex.disconnect}
         p_error: UpstreamError | None = None  # P's 4xx, while D may still answer
         loop = asyncio.get_running_loop()

@@ -194,7 +194,8 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
 
 
 def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
-           log_dir: Path, mode: str = "push", name: str = "router") -> Server:
+           log_dir: Path, mode: str = "push", name: str = "router",
+           extra_env: dict | None = None) -> Server:
     argv = [python, "-m", "kv_push.common.router", "--host", "127.0.0.1", "--port", str(port),
             "--mode", mode]
     for url, kv_port, *engine in prefill:  # (url, kv port[, engine id])
@@ -202,7 +203,7 @@ def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
         argv += ["--prefill", spec]
     for url in decode:
         argv += ["--decode", url]
-    return Server(name, argv, {"PYTHONUNBUFFERED": "1"}, port, log_dir)
+    return Server(name, argv, {"PYTHONUNBUFFERED": "1", **(extra_env or {})}, port, log_dir)
 
 
 def build_tiny_model(out: Path) -> Path:

@@ -1,0 +1,369 @@
+#!/usr/bin/env python3
+"""Where our TTFT goes (issue 12 item 4): TTFT of one vLLM server alone vs our P/D push at
+concurrency 1, and the per-stage breakdown of the push requests from ``KV_PUSH_TIMING`` lines.
+
+Real ``vllm serve`` (CPU build) on the suite's tiny model (block 128), started as the
+end-to-end tests start them (``kv_push.common.testing.vllm_servers``): a single server and every
+P on core 0, every D on core 1, one of our routers in front of each (P, D) system. Requests go
+one at a time (concurrency 1), each a streaming ``/v1/completions`` of a distinct random
+token-id prompt (no prefix-cache hits) with ``ignore_eos``, each prompt to the single server and
+to every system of the group, the order rotating by one per prompt; TTFT is measured at the
+client (first streamed chunk with a choice).
+
+Groups (``--groups``, from ``GROUPS``), each on its own freshly started P and D servers (the
+single server stays up), their systems side by side so that load drift weighs on all alike:
+
+* ``early``: ``early_prefill_done=auto`` (P announces a prefill when its step ran) against
+  ``off`` (at ``request_finished``, one engine step later), one D;
+* ``poll``: one P (``auto``), D polling every 0.2 ms while it awaits a WRITE
+  (``await_poll_s`` default) against every 1 ms (``await_poll_s=0.001``: as before it existed).
+
+Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push request
+(``common/timing.py`` lists them) are matched to it by the router's ``router_in`` stamp inside
+the client's request window, and reported as milliseconds since the client sent the request
+(median over requests), with the segments between consecutive stages.
+
+Output: ``--out`` (JSON, every request's TTFT and stages) and the same path with ``.md``.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_ttft_breakdown.py                 # ~5-8 min here
+    .venv/bin/python benchmarks/bench_ttft_breakdown.py --requests 10 --groups early
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kv_push.common import timing
+from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
+                                                 router, vllm_server)
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: group -> the P and D servers it starts (name -> their kv_connector_extra_config additions)
+#: and its systems (name -> (P, D) behind one router); a group's systems run side by side
+GROUPS = {
+    "early": {"p": {"p-early-auto": {"early_prefill_done": "auto"},
+                    "p-early-off": {"early_prefill_done": "off"}},
+              "d": {"d": {}},
+              "systems": {"push early=auto": ("p-early-auto", "d"),
+                          "push early=off": ("p-early-off", "d")}},
+    "poll": {"p": {"p": {"early_prefill_done": "auto"}},
+             "d": {"d-await-0.2ms": {}, "d-await-1ms": {"await_poll_s": 0.001}},
+             "systems": {"push await_poll_s=0.0002": ("p", "d-await-0.2ms"),
+                         "push await_poll_s=0.001": ("p", "d-await-1ms")}},
+}
+
+#: the stages of a push request in the order it meets them (common/timing.py)
+STAGES = ["client_send", "router_in", "router_legs_sent", "p_sched", "d_sched", "d_expect",
+          "d_register_sent", "p_prefill_done", "p_pair", "p_write_posted", "p_write_done",
+          "d_write_done", "d_recv_reported", "d_scheduled", "d_first_step_done",
+          "router_first_byte", "client_first_token", "router_p_done"]
+#: the critical path, segment by segment (each from the stage before it)
+CRITICAL = ["client_send", "router_in", "router_legs_sent", "p_sched", "p_prefill_done",
+            "p_pair", "p_write_posted", "p_write_done", "d_write_done", "d_recv_reported",
+            "d_scheduled", "d_first_step_done", "router_first_byte", "client_first_token"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    rec: dict[str, Any] = {"t_send": time.time()}
+    t0 = time.perf_counter()
+    try:
+        with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                resp.read()
+                rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return rec
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if "ttft" not in rec and '"choices"' in line and '"text"' in line:
+                    rec["ttft"] = time.perf_counter() - t0
+                    rec["t_first"] = time.time()
+        rec["e2e"] = time.perf_counter() - t0
+        rec["t_end"] = time.time()
+    except httpx.HTTPError as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    if "ttft" not in rec and "error" not in rec:
+        rec["error"] = "no token streamed"
+    return rec
+
+
+def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
+    """The timing records of the push request ``req`` (its router_in inside its window), as
+    milliseconds since the client sent it; the first stamp of each stage."""
+    t_send, t_end = req["t_send"], req.get("t_end", req["t_send"] + 60)
+    tids = [r["tid"] for r in records if r["stage"] == "router_in" and t_send <= r["t"] <= t_end]
+    if len(tids) != 1:
+        return None
+    out: dict[str, float] = {"client_send": 0.0}
+    for r in records:
+        if r["tid"] == tids[0] and r["stage"] not in out:
+            out[r["stage"]] = (r["t"] - t_send) * 1000
+    if "t_first" in req:
+        out["client_first_token"] = (req["t_first"] - t_send) * 1000
+    how = [r.get("how") for r in records if r["tid"] == tids[0] and r["stage"] == "p_prefill_done"]
+    out["_how"] = how[0] if how else None  # type: ignore[assignment]
+    return out
+
+
+def summarize(reqs: list[dict]) -> dict:
+    ttft = [r["ttft"] * 1000 for r in reqs if "ttft" in r]
+    return {"n": len(reqs), "errors": sum(1 for r in reqs if "error" in r),
+            "ttft_min_ms": min(ttft) if ttft else None, "ttft_p25_ms": pct(ttft, 0.25),
+            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
+            "ttft_mean_ms": statistics.fmean(ttft) if ttft else None}
+
+
+def breakdown(per_req: list[dict[str, float]]) -> dict:
+    at = {s: statistics.median([r[s] for r in per_req if s in r])
+          for s in STAGES if any(s in r for r in per_req)}
+    segs = {}
+    for a, b in zip(CRITICAL, CRITICAL[1:]):
+        vals = [r[b] - r[a] for r in per_req if a in r and b in r]
+        if vals:
+            segs[f"{a} -> {b}"] = statistics.median(vals)
+    hows: dict[str, int] = {}
+    for r in per_req:
+        hows[str(r.get("_how"))] = hows.get(str(r.get("_how")), 0) + 1
+    return {"at_ms": at, "segments_ms": segs, "announced": hows, "n": len(per_req)}
+
+
+def rel(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
+              ds: dict[str, Server], routers: dict[str, Server], work: list[list[int]],
+              args: argparse.Namespace) -> dict:
+    """Requests of ``work`` one at a time, each prompt to the single server and to every system
+    of the group, the order rotating by one per prompt."""
+    client = httpx.Client(timeout=120)
+    urls = {"single": single.url, **{sys_: routers[sys_].url for sys_ in group["systems"]}}
+    warm = prompts(args.warmup, args.prompt_len, args.vocab, seed=99)
+    for w in warm:  # the first requests of a server are slow on CPU
+        for url in urls.values():
+            r = one_request(client, url, w, args.max_tokens)
+            if "error" in r:
+                raise RuntimeError(f"warm-up on {url} failed: {r['error']}")
+    load0 = os.getloadavg()
+    reqs: dict[str, list[dict]] = {k: [] for k in urls}
+    names = list(urls)
+    for i, prompt in enumerate(work):
+        k = i % len(names)
+        for system in names[k:] + names[:k]:
+            reqs[system].append(one_request(client, urls[system], prompt, args.max_tokens))
+            time.sleep(args.gap_s)
+    load1 = os.getloadavg()
+    client.close()
+    records = []
+    for server in [*routers.values(), *ps.values(), *ds.values()]:
+        records += timing.parse(server.log_text().splitlines())
+    single_sum = summarize(reqs["single"])
+    out = {"group": name, "loadavg_before": load0, "loadavg_after": load1,
+           "single": single_sum, "single_requests": reqs["single"], "systems": []}
+    for system, (p_name, d_name) in group["systems"].items():
+        per_req = [st for st in (stages_of(records, r) for r in reqs[system] if "ttft" in r) if st]
+        summ = summarize(reqs[system])
+        out["systems"].append({
+            "system": system, "p": p_name, "d": d_name,
+            "p_config": group["p"][p_name], "d_config": group["d"][d_name], "push": summ,
+            "ratio_p50": rel(summ["ttft_p50_ms"], single_sum["ttft_p50_ms"]),
+            "ratio_p90": rel(summ["ttft_p90_ms"], single_sum["ttft_p90_ms"]),
+            "breakdown": breakdown(per_req), "requests": reqs[system], "stages": per_req})
+    for sys_ in out["systems"]:
+        log(f"{name} / {sys_['system']}: single p50 {single_sum['ttft_p50_ms']:.1f} ms, "
+            f"push p50 {sys_['push']['ttft_p50_ms']:.1f} ms ({sys_['ratio_p50']:.2f}x), p90 "
+            f"{single_sum['ttft_p90_ms']:.1f} vs {sys_['push']['ttft_p90_ms']:.1f} ms")
+    log(f"{name}: load {load0[0]:.2f} -> {load1[0]:.2f}")
+    out["p_prefills_announced_early"] = {
+        n: metric(srv.url, "vllm:kv_push_prefills_announced_early_total") for n, srv in ps.items()}
+    out["d_external_kv_prompt_tokens"] = {
+        n: metric(srv.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        for n, srv in ds.items()}
+    out["d_local_compute_prompt_tokens"] = {
+        n: metric(srv.url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        for n, srv in ds.items()}
+    return out
+
+
+def f1(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def write_md(path: Path, result: dict) -> None:
+    m = result["meta"]
+    lines = [
+        "# TTFT breakdown: single server vs P/D push at concurrency 1",
+        "",
+        f"`{m['command']}` at {m['date']} ({m['notes'] or 'commit ' + m['commit']}), vLLM CPU "
+        f"build, tiny model (block 128), prompt {m['prompt_len']} tokens, {m['max_tokens']} "
+        f"output tokens (streamed), {m['requests']} requests per system, one at a time, each "
+        "prompt to every system of its group in rotating order. "
+        f"{m['cpus']} cores shared with other work: see the load averages.",
+        "",
+        "| group | system | single p50 | push p50 | p50 ratio | single p90 | push p90 | "
+        "p90 ratio | single p25 / min | push p25 / min | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in result["groups"]:
+        s = g["single"]
+        for sy in g["systems"]:
+            p = sy["push"]
+            lines.append(
+                f"| {g['group']} | {sy['system']} | {f1(s['ttft_p50_ms'])} ms | "
+                f"{f1(p['ttft_p50_ms'])} ms | {sy['ratio_p50']:.2f}x | {f1(s['ttft_p90_ms'])} ms "
+                f"| {f1(p['ttft_p90_ms'])} ms | {sy['ratio_p90']:.2f}x | "
+                f"{f1(s['ttft_p25_ms'])} / {f1(s['ttft_min_ms'])} ms | "
+                f"{f1(p['ttft_p25_ms'])} / {f1(p['ttft_min_ms'])} ms | "
+                f"{g['loadavg_before'][0]:.1f} -> {g['loadavg_after'][0]:.1f} |")
+    systems = [(g, sy) for g in result["groups"] for sy in g["systems"]]
+    lines += ["", "Systems (P's / D's `kv_connector_extra_config` additions): " + "; ".join(
+        f"{sy['system']}: P {json.dumps(sy['p_config'])}, D {json.dumps(sy['d_config'])}"
+        for _, sy in systems) + ". P prefills announced early (P's counter, warm-up "
+        "included): " + "; ".join(f"{g['group']}: {g['p_prefills_announced_early']}"
+                                  for g in result["groups"]) + ". Prompt tokens D computed "
+        "itself (must be 0): " + "; ".join(f"{g['group']}: {g['d_local_compute_prompt_tokens']}"
+                                           for g in result["groups"]) + "."]
+    head = "| stage | " + " | ".join(sy["system"] for _, sy in systems) + " |"
+    rule = "|---|" + "---|" * len(systems)
+    lines += ["", "## Push: stage reached, ms after the client sent the request (median)", "",
+              head, rule]
+    for st in STAGES:
+        vals = [sy["breakdown"]["at_ms"].get(st) for _, sy in systems]
+        if any(v is not None for v in vals):
+            lines.append(f"| {st} | " + " | ".join(f1(v) for v in vals) + " |")
+    lines += ["", "## Push: critical path, segment medians (ms)", "", head.replace("stage",
+                                                                                 "segment"), rule]
+    for a, b in zip(CRITICAL, CRITICAL[1:]):
+        sg = f"{a} -> {b}"
+        vals = [sy["breakdown"]["segments_ms"].get(sg) for _, sy in systems]
+        if any(v is not None for v in vals):
+            lines.append(f"| {sg} | " + " | ".join(f1(v) for v in vals) + " |")
+    lines += ["", "How P announced each measured prefill (`p_prefill_done`'s `how`): " + "; ".join(
+        f"{sy['system']}: {sy['breakdown']['announced']}" for _, sy in systems) + ".", ""]
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=20, help="per system and phase")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=400,
+                    help="token ids drawn below this (the tiny model has 462)")
+    ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
+    ap.add_argument("--groups", default="early,poll",
+                    help=f"comma-separated, from {sorted(GROUPS)}")
+    ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"))
+    ap.add_argument("--log-dir", default="")
+    ap.add_argument("--extra-config", default="{}",
+                    help="JSON merged into P's and D's kv_connector_extra_config")
+    ap.add_argument("--notes", default="")
+    args = ap.parse_args()
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ttft-breakdown-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(REPO / ".work" / "tiny-model")
+    extra = json.loads(args.extra_config)
+    env = {timing.ENV: "1"}
+    work = prompts(args.requests, args.prompt_len, args.vocab, seed=1234)
+    servers: list[Server] = []
+    groups: list[dict] = []
+
+    def start(name: str, cpu: int, role: str, cfg: dict) -> tuple[Server, int]:
+        kv = free_port()
+        srv = vllm_server(name, python=args.python, model=str(model), port=free_port(),
+                          cpu=cpu, log_dir=log_dir, kv_role=role, kv_port=kv,
+                          extra_config={**extra, **cfg}, extra_env=env, max_model_len=1024)
+        servers.append(srv)
+        return srv, kv
+
+    try:
+        single = vllm_server("single", python=args.python, model=str(model), port=free_port(),
+                             cpu=0, log_dir=log_dir, max_model_len=1024)
+        servers.append(single)
+        fresh = [single]
+        for gname in args.groups.split(","):
+            group = GROUPS[gname]
+            ps = {n: start(f"{gname}-{n}", 0, "kv_producer", cfg) for n, cfg in group["p"].items()}
+            ds = {n: start(f"{gname}-{n}", 1, "kv_consumer", cfg)[0]
+                  for n, cfg in group["d"].items()}
+            routers = {}
+            for i, (system, (p_name, d_name)) in enumerate(group["systems"].items()):
+                p, p_kv = ps[p_name]
+                routers[system] = router(python=args.python, port=free_port(),
+                                         prefill=[(p.url, p_kv)], decode=[ds[d_name].url],
+                                         log_dir=log_dir, name=f"{gname}-router{i}",
+                                         extra_env=env)
+                servers.append(routers[system])
+            group_servers = [*(p for p, _ in ps.values()), *ds.values(), *routers.values()]
+            for srv in fresh + group_servers:
+                srv.wait_healthy(300)
+            fresh = []
+            log(f"group {gname}: servers up (logs in {log_dir})")
+            groups.append(run_group(gname, group, single, {n: p for n, (p, _) in ps.items()},
+                                    ds, routers, work, args))
+            for srv in group_servers:
+                srv.stop()
+                servers.remove(srv)
+    finally:
+        for srv in list(servers):
+            srv.stop()
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip() or os.environ.get(
+                                "BENCH_COMMIT", "")
+    result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "commit": commit, "command": " ".join(["bench_ttft_breakdown.py",
+                                                              *sys.argv[1:]]),
+                       "host": platform.node(), "cpus": os.cpu_count(),
+                       "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                       "requests": args.requests, "extra_config": extra, "notes": args.notes,
+                       "log_dir": str(log_dir)},
+              "groups": groups}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    write_md(out.with_suffix(".md"), result)
+    log(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
