@@ -184,13 +184,21 @@ class DevicePlan:
 
 def _check(views: CacheViews, plan: StagingPlan, staging: Any, layers: range | None,
            side: str) -> range:
-    torch = _torch()
     if plan.side != side:
         raise GeometryError(f"{'pack' if side == 'gather' else 'unpack'} needs a {side} plan, "
                             f"got a {plan.side} plan")
     g = views.geometry
     if (plan.num_layers, plan.kv_parts) != (g.num_layers, g.kv_parts):
         raise GeometryError("the plan was made for another geometry (layers or parts differ)")
+    return check_staging(staging, plan, layers, views.device, plan.word_bytes)
+
+
+def check_staging(staging: Any, plan: StagingPlan, layers: range | None, device: Any,
+                  word_bytes: int) -> range:
+    """The staging tensor for ``layers`` of ``plan`` (all when None) is a contiguous, aligned
+    1-D uint8 tensor of exactly their bytes on ``device``; returns the layers. Shared by the
+    torch ops and the fused kernels (``staging_triton``)."""
+    torch = _torch()
     layers = range(plan.num_layers) if layers is None else layers
     _check_layers(layers, plan.num_layers)
     want = len(layers) * plan.layer_bytes
@@ -199,10 +207,10 @@ def _check(views: CacheViews, plan: StagingPlan, staging: Any, layers: range | N
     if staging.numel() != want:
         raise GeometryError(f"staging holds {staging.numel()} bytes, layers {layers!r} of this "
                             f"plan need {want}")
-    if staging.device != views.device:
-        raise GeometryError(f"staging is on {staging.device}, the cache on {views.device}")
-    if staging.data_ptr() % plan.word_bytes or staging.storage_offset() % plan.word_bytes:
-        raise GeometryError(f"staging is not {plan.word_bytes}-byte aligned")
+    if staging.device != device:
+        raise GeometryError(f"staging is on {staging.device}, the cache on {device}")
+    if staging.data_ptr() % word_bytes or staging.storage_offset() % word_bytes:
+        raise GeometryError(f"staging is not {word_bytes}-byte aligned")
     return layers
 
 

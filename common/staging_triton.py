@@ -43,7 +43,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from .geometry import GeometryError, KVGeometry
-from .staging import StagingPlan, _check_layers
+from .staging import StagingPlan
 
 __all__ = ["ENV", "KERNELS", "select_kernels", "triton_unavailable", "FusedCache", "FusedPlan",
            "pack", "unpack", "warmup"]
@@ -325,23 +325,12 @@ def warmup(cache: FusedCache, staging: Any) -> int:
 
 def _run(fplan: FusedPlan, staging: Any, layers: range | None, stream: Any,
          wait_for: Iterable[Any], pack: bool):
-    from .staging_ops import OpHandle, _word_dtype
+    from .staging_ops import OpHandle, _word_dtype, check_staging
 
     torch = _torch()
     plan = fplan.plan
-    layers = range(plan.num_layers) if layers is None else layers
-    _check_layers(layers, plan.num_layers)
-    want = len(layers) * plan.layer_bytes
-    if staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous():
-        raise GeometryError("staging must be a contiguous 1-D uint8 tensor")
-    if staging.numel() != want:
-        raise GeometryError(f"staging holds {staging.numel()} bytes, layers {layers!r} of this "
-                            f"plan need {want}")
-    if staging.device != fplan.device:
-        raise GeometryError(f"staging is on {staging.device}, the cache on {fplan.device}")
     w = fplan.word_bytes
-    if staging.data_ptr() % w:
-        raise GeometryError(f"staging is not {w}-byte aligned")
+    layers = check_staging(staging, plan, layers, fplan.device, w)
     cuda = fplan.device.type == "cuda"
     if cuda:
         if stream is None:
