@@ -486,10 +486,7 @@ class PushScheduler:
                              "they stay held by vLLM only as long as the request's own",
                              rid, sorted(missing))
             self._held.add(rid)
-            reply = {"transfer_id": params.transfer_id}
-            if params.upstream:
-                reply.update(self._upstream_reply, remote_request_id=rid)
-            return True, reply
+            return True, self._reply(params, rid)
         digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if not finished_ok or not block_ids:
             self._plan.prefill_aborts.append(
@@ -499,10 +496,14 @@ class PushScheduler:
                                                 int(request.num_computed_tokens), digest,
                                                 params.fanout))
         self._held.add(rid)
+        return True, self._reply(params, rid)
+
+    def _reply(self, params: TransferParams, rid: str) -> dict[str, Any]:
+        """What a producer answers (``kv_transfer_params`` of its output) for a held prefill."""
         reply: dict[str, Any] = {"transfer_id": params.transfer_id}
         if params.upstream:
             reply.update(self._upstream_reply, remote_request_id=rid)
-        return True, reply
+        return reply
 
     def on_send_finished(self, req_ids: Iterable[str]) -> None:
         self._held.difference_update(req_ids)

@@ -134,8 +134,8 @@ class TorchStagingOps:
         self.geometry = geometry
         self.memory = memory
         self.asynchronous = memory.mem_type == "VRAM"
-        device_type = "cuda" if geometry.mem_type == "VRAM" else "cpu"
-        self.kernel = select_kernels(device_type, kernel)
+        self._device_type = "cuda" if geometry.mem_type == "VRAM" else "cpu"
+        self.kernel = select_kernels(self._device_type, kernel)
         self.counters = counters
         self._views = None
         self._fused = None
@@ -154,11 +154,15 @@ class TorchStagingOps:
             torch.cuda.set_device(views.device)  # this thread only
             self._stream = torch.cuda.Stream(views.device)
         self._staging = wrap_memory(self.memory.address, self.memory.nbytes, device=views.device)
-        if self.kernel == "triton":
+        self._views = views
+        self._ensure_fused()
+
+    def _ensure_fused(self) -> None:
+        """The fused kernels' per-cache state, once views exist and Triton is selected."""
+        if self._views is not None and self.kernel == "triton" and self._fused is None:
             from .staging_triton import FusedCache
 
-            self._fused = FusedCache(self.geometry, views.device, stream=self._stream)
-        self._views = views
+            self._fused = FusedCache(self.geometry, self._views.device, stream=self._stream)
 
     def warmup(self) -> int:
         """Compile the fused kernels' common variants now (transfer thread, at start-up), so
@@ -179,11 +183,8 @@ class TorchStagingOps:
         running with the kernels they were prepared for."""
         from .staging_triton import select_kernels
 
-        self.kernel = select_kernels("cuda" if self.geometry.mem_type == "VRAM" else "cpu", kernel)
-        if self._views is not None and self.kernel == "triton" and self._fused is None:
-            from .staging_triton import FusedCache
-
-            self._fused = FusedCache(self.geometry, self._views.device, stream=self._stream)
+        self.kernel = select_kernels(self._device_type, kernel)
+        self._ensure_fused()
 
     def prepare(self, plan: StagingPlan) -> Any:
         self._init()
