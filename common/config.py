@@ -28,6 +28,8 @@ class ConfigError(ValueError):
 
 #: values of ``early_prefill_done``
 EARLY_PREFILL_DONE = ("auto", "off")
+#: values of ``layerwise``
+LAYERWISE = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,12 @@ class PushConfig:
     #: provably safe (vLLM runs one batch at a time: no async scheduling, no pipeline
     #: parallelism; full attention only; see ``connector_scheduler``), "off" never
     early_prefill_done: str = "auto"
+    #: layer-wise streaming on a producer with a staging pool (``producer.py``, "Layer-wise
+    #: streaming"): a prefill that completes in a step is packed layer by layer as vLLM's
+    #: ``save_kv_layer`` reports each layer written, and each layer group is WRITTEN as soon as
+    #: it is packed and the decoder's registration is there. "auto": wherever the producer
+    #: stages (needs a producer staging pool); "off": pack after the prefill only
+    layerwise: str = "auto"
 
     @property
     def peer_timeout_s(self) -> float:
@@ -130,6 +138,9 @@ class PushConfig:
         if self.early_prefill_done not in EARLY_PREFILL_DONE:
             raise ConfigError(f"early_prefill_done must be one of {', '.join(EARLY_PREFILL_DONE)}"
                               f", got {self.early_prefill_done!r}")
+        if self.layerwise not in LAYERWISE:
+            raise ConfigError(f"layerwise must be one of {', '.join(LAYERWISE)}, got "
+                              f"{self.layerwise!r}")
         if self.staging_chunk_bytes <= 0:
             raise ConfigError(f"staging_chunk_bytes must be positive, got "
                               f"{self.staging_chunk_bytes!r}")

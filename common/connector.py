@@ -88,7 +88,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                                             random_suffix=compat.request_id_random_suffix(),
                                             upstream_reply=reply,
                                             early_prefill_done=is_producer and _early_prefill_done(
-                                                pc, vllm_config))
+                                                pc, vllm_config),
+                                            layerwise=is_producer and pc.layerwise != "off")
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 
@@ -124,7 +125,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None
+        self._worker.on_layer_saved(layer_name)  # layer-wise streaming: enqueue only
 
     def wait_for_save(self) -> None:
         self._worker.on_saved()  # host backend: the step's completing prefills go now

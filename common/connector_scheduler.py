@@ -34,6 +34,14 @@ It runs in vLLM's scheduler (engine-core) process and never touches NIXL. Each s
     staged for it: one announcement per request;
   - a prompt prefilled in several chunks, a resumed request, ``max_tokens > 1``, a model whose
     block ids come in several groups: not announced early (``request_finished`` as before).
+
+  **Layer-wise streaming** (``layerwise``): the same requests -- found the same way, whether or
+  not early announcement is on -- are also put in ``StepPlan.streaming``: the workers start
+  packing their KV layer by layer during the step (``producer.py``). A streamed request's
+  blocks are held at ``request_finished`` whatever its status (a pack may read them); one that
+  ends aborted or in error without having been announced early stages a ``PrefillAborted``
+  that names it (``req_id``), and the workers report it in ``finished_sending`` once nothing
+  reads its blocks.
 * decoder (``kv_consumer``): ``get_num_new_matched_tokens`` claims the prompt tokens the
   decoder does not have locally, asynchronously; ``update_state_after_alloc`` stages an
   ``Expect`` with the freshly allocated block ids; the workers register them with the producer.
@@ -260,6 +268,9 @@ class PrefillAborted:
     transfer_id: str
     prompt_digest: str = ""
     capacity: int = 1
+    #: its blocks are held (a streamed request): the workers report ``req_id`` in
+    #: ``finished_sending`` once nothing reads them
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -289,10 +300,13 @@ class StepPlan:
     #: producer requests whose prefill this step completes (early announcement, see the module
     #: doc): the workers hand them to the rendezvous once the step's KV is written
     completing: list[PrefillReady] = field(default_factory=list)
+    #: producer requests whose prefill this step completes, to be packed layer by layer while
+    #: the step runs (layer-wise streaming, see the module doc); found like ``completing``
+    streaming: list[PrefillReady] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels
-                    or self.abandons or self.completing)
+                    or self.abandons or self.completing or self.streaming)
 
 
 @dataclass
@@ -314,12 +328,14 @@ class PushScheduler:
     keys vLLM's own producer answers with, by which routers built for it learn how to address
     the decoder leg (``upstream_reply``). ``early_prefill_done``: announce producer requests
     in ``StepPlan.completing`` (see the module doc); the connector decides where it is safe.
+    ``layerwise``: put the same requests in ``StepPlan.streaming`` (layer-wise streaming).
     """
 
     def __init__(self, *, is_producer: bool, is_decoder: bool, block_size: int,
                  counters: Counters | None = None, secret: bytes = b"",
                  random_suffix: bool = False, upstream_reply: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.time, early_prefill_done: bool = False):
+                 clock: Callable[[], float] = time.time, early_prefill_done: bool = False,
+                 layerwise: bool = False):
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
@@ -337,6 +353,9 @@ class PushScheduler:
         self._received: set[str] = set()  # decoder requests whose KV already arrived once
         self._held: set[str] = set()  # producer requests whose blocks we keep
         self.early_prefill_done = early_prefill_done and is_producer
+        self.layerwise = layerwise and is_producer
+        # producer requests put in a step's ``streaming`` whose request_finished is due
+        self._streamed: dict[str, PrefillReady] = {}
         # producer requests announced in a step's ``completing`` whose request_finished is due
         self._announced: dict[str, PrefillReady] = {}
         # timing lines only: decoder requests received (-> transfer id) not yet planned, and
@@ -476,6 +495,7 @@ class PushScheduler:
         params = self._params(request)
         if params is None or not params.do_remote_decode:
             return False, None
+        streamed = self._streamed.pop(rid, None)
         early = self._announced.pop(rid, None)
         if early is not None:
             # announced when its step ran: hold the blocks whatever the status says (the KV is
@@ -488,6 +508,14 @@ class PushScheduler:
             self._held.add(rid)
             return True, self._reply(params, rid)
         digest = prompt_digest(getattr(request, "prompt_token_ids", None))
+        if streamed is not None and not (finished_ok and block_ids):
+            # its step ran and packs may read its blocks: hold them until the workers say
+            # nothing does (they report it in finished_sending); decoders hear it failed
+            self._plan.prefill_aborts.append(
+                PrefillAborted(rid, streamed.transfer_id, streamed.prompt_digest,
+                               streamed.capacity, held=True))
+            self._held.add(rid)
+            return True, None
         if not finished_ok or not block_ids:
             self._plan.prefill_aborts.append(
                 PrefillAborted(rid, params.transfer_id, digest, params.fanout))
@@ -509,12 +537,13 @@ class PushScheduler:
         self._held.difference_update(req_ids)
 
     def has_pending_work(self) -> bool:
-        return bool(self._held) or bool(self._plan) or bool(self._announced)
+        return (bool(self._held) or bool(self._plan) or bool(self._announced)
+                or bool(self._streamed))
 
     def take_plan(self, scheduler_output: Any = None) -> StepPlan:
         """The step's plan. ``scheduler_output``: vLLM's ``SchedulerOutput`` of the step, from
         which the producer's ``completing`` requests are found (early announcement)."""
-        if self.early_prefill_done and scheduler_output is not None:
+        if (self.early_prefill_done or self.layerwise) and scheduler_output is not None:
             self._find_completing(scheduler_output)
         if timing.ENABLED and self._recv_tids and scheduler_output is not None:
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
@@ -526,11 +555,13 @@ class PushScheduler:
         return plan
 
     def _find_completing(self, out: Any) -> None:
-        """Put in the plan each producer request that this step completes (module doc)."""
+        """Put in the plan (``completing`` and/or ``streaming``) each producer request that
+        this step completes (module doc)."""
         scheduled = getattr(out, "num_scheduled_tokens", None) or {}
         for new in getattr(out, "scheduled_new_reqs", None) or ():
             rid = getattr(new, "req_id", None)
-            if rid is None or rid in self._announced or rid not in self._verdicts:
+            if (rid is None or rid in self._announced or rid in self._streamed
+                    or rid not in self._verdicts):
                 continue
             params = self._verdicts[rid]
             if params is None or not params.do_remote_decode:
@@ -550,9 +581,14 @@ class PushScheduler:
                 continue
             ready = PrefillReady(rid, params.transfer_id, tuple(int(b) for b in blocks[:need]),
                                  n, prompt_digest(prompt), params.fanout)
-            self._announced[rid] = ready
-            self._plan.completing.append(ready)
-            self.counters.inc("prefills_announced_early")
+            if self.early_prefill_done:
+                self._announced[rid] = ready
+                self._plan.completing.append(ready)
+                self.counters.inc("prefills_announced_early")
+            if self.layerwise:
+                self._streamed[rid] = ready
+                self._plan.streaming.append(ready)
+                self.counters.inc("prefills_streamed")
 
 
 def _single_group(block_ids: Any) -> list[int] | None:

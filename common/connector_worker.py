@@ -60,6 +60,8 @@ class PushConnectorWorker:
         self._held_back: list[str] = []  # released keys of _saved_now, for the next step
         self._reportable: list[str] = []  # held back in an earlier step: reported at the next call
         self._tids: dict[str, str] = {}  # decoder key -> transfer id (timing lines only)
+        self._layers: dict[str, int] = {}  # layer name -> its index in the registered geometry
+        self._streaming = False  # this step streams prefills (layer-wise): report its layers
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors, seen = [], set()
@@ -69,6 +71,7 @@ class PushConnectorWorker:
                 logger.info("kv_push: layer %s shares its KV cache; registered once", name)
                 continue
             seen.add(ptr)
+            self._layers[name] = len(tensors)
             tensors.append(t)
         geometry = describe_kv_caches(
             tensors, backend=self.backend, num_kv_heads=self.num_kv_heads,
@@ -91,6 +94,9 @@ class PushConnectorWorker:
         # (accelerators; or a step whose wait_for_save did not come), and what was announced
         # at its save may be reported released from this step on
         pending, self._completing = self._completing, list(plan.completing)
+        if self._streaming and self.worker is not None:  # a step whose wait_for_save did not come
+            self._streaming = False
+            self.worker.step_saved()
         for p in pending:
             self._prefill_done(p, "early_bind")
         self._saved_now.clear()
@@ -102,7 +108,12 @@ class PushConnectorWorker:
             self._prefill_done(p, "request_finished")
         for a in plan.prefill_aborts:
             w.prefill_failed(a.transfer_id, "prefill request ended without output",
-                             prompt_digest=a.prompt_digest, capacity=a.capacity)
+                             prompt_digest=a.prompt_digest, capacity=a.capacity,
+                             key=a.req_id if a.held else None)
+        self._streaming = bool(plan.streaming) and w.streams
+        for p in plan.streaming:
+            w.prefill_started(p.req_id, p.transfer_id, p.block_ids, p.num_tokens,
+                              prompt_digest=p.prompt_digest, capacity=p.capacity)
         for e in plan.expects:
             if not e.key.startswith(RELEASE_KEY_PREFIX):
                 self._blocks[e.key] = e.block_ids
@@ -120,9 +131,21 @@ class PushConnectorWorker:
                 self._tids[e.key] = e.transfer_id
                 timing.stamp("d_expect", e.transfer_id, key=e.key)
 
+    def on_layer_saved(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: the layer's KV writes of this step are enqueued. When the
+        step streams prefills, the worker packs that layer of them (enqueue only)."""
+        if self._streaming:
+            layer = self._layers.get(layer_name)
+            if layer is not None:
+                self.worker.layer_saved(layer)
+
     def on_saved(self) -> None:
-        """vLLM's ``wait_for_save``: the step's forward ran. Where its KV is in memory now
-        (host backend), hand the step's completing prefills to the rendezvous."""
+        """vLLM's ``wait_for_save``: the step's forward ran. Streamed prefills pack what is left;
+        where the step's KV is in memory now (host backend), its completing prefills go to the
+        rendezvous."""
+        if self._streaming:
+            self._streaming = False
+            self.worker.step_saved()
         if self.kv_ready_at_save and self._completing:
             done, self._completing = self._completing, []
             for p in done:

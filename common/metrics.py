@@ -30,6 +30,14 @@ COUNTERS = {
     "registrations_late": "registrations that arrived after the prefill finished",
     "prefills_announced_early": "producer prefills announced when their step ran, not one step "
                                 "later at request_finished (early_prefill_done)",
+    "prefills_streamed": "producer prefills put up for layer-wise streaming by the scheduler "
+                         "(layerwise)",
+    "layerwise_streams": "prefills this producer worker packed layer by layer while their step ran",
+    "layerwise_transfers": "staged transfers written from a layer-wise stream (no pack after the "
+                           "prefill)",
+    "layerwise_fallback": "layer-wise streaming not used, by reason: producer_pool (no room for "
+                          "the stream), layout (a registration wanting other bytes: other "
+                          "heads, a prefix, no slot; it waited for the complete prefill), error",
     "registrations_sent": "registrations sent by this decoder",
     "cancels": "cancels sent (decoder) or honoured (producer)",
     "cancels_resent": "unanswered cancels sent again (decoder)",

@@ -48,6 +48,22 @@ the same ``_Job`` (same answers, same ``chunks_done``: a staged chunk is a WRITE
 chunks are posted only once packed, and it ends only once no pack still runs (the packs read the
 source blocks and write P's room) -- also when its decoder died. Anything the sender cannot
 stage takes the region path.
+
+Layer-wise streaming (``layerwise``, a ``StagedSender`` needed): the engine announces a prefill
+its current step completes (``prefill_started``) before the step's forward, then reports each
+layer written (``layer_saved``, an event after that layer's KV writes) and the forward's end
+(``step_saved``). The prefill becomes a source at once, with a ``staged.Stream``: its whole local
+sub-slice is packed layer by layer into a room of P's pool, each pack after its layer's event, so
+packing rides behind the rest of the prefill. A registration whose slot wants exactly those
+bytes (a decoder of the same TP size without a prefix of its own: the usual case) pairs with it
+as with any source, and its job posts each chunk (a group of layers) as soon as that group is
+packed -- during the prefill, when the registration came first. Any other pairing with a source
+whose prefill is not complete yet (no slot, other heads or tokens) is *deferred* to
+``prefill_done`` and then started as usual (counted ``layerwise_fallback{layout}``). A stream
+source is never released before its prefill is complete (``prefill_done``, or
+``prefill_failed`` naming it), and its blocks and room only once no pack of it still runs. A
+streamed prefill that ends aborted stays good for what was written already (its KV was computed
+when the step ran); deferred and later pairings with it fail.
 """
 
 from __future__ import annotations
@@ -132,6 +148,9 @@ class _Job:
     ack_cancel: bool = False  # a Cancel waits for the chunks in flight
     error: str = ""
     staged: Any = None  # a staged.StagedSend: chunk i is posted once packed
+    #: nothing in flight, and the next chunk's layers are not all saved yet (a layer-wise
+    #: stream): the transfer thread need not spin for it, the engine's next call wakes it
+    awaits_layers: bool = False
 
     @property
     def reg(self) -> Registration:
@@ -170,6 +189,12 @@ class Producer:
         self.released_tids: OrderedDict[str, float] = OrderedDict()
         self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
         self._fragmentation_told: set[tuple[str, str]] = set()  # (engine, layout) warned about
+        self.streams: dict[str, Any] = {}  # source key -> its layer-wise staged.Stream
+        self._completed: set[str] = set()  # stream keys whose prefill is complete (or failed)
+        self._step_streams: list[str] = []  # streams started for the step now running
+        self.deferred: dict[str, list[Pairing]] = {}  # stream key -> pairings waiting for it
+        self._ending: dict[str, Any] = {}  # released stream sources whose packs still run
+        self._failed_streams: dict[str, str] = {}  # stream key -> why its prefill failed
         self._failures = itertools.count()
         self._next_sweep = 0.0  # time-outs are applied at most this often (not every step)
 
@@ -206,6 +231,9 @@ class Producer:
         ``prompt_digest``) into ``block_ids``; it may serve ``capacity`` decoder requests.
         ``ready``: an event after the prefill's KV writes (``StagedSender.marker``), which packs
         of this source wait for."""
+        if key in self.streams:
+            self._complete_stream(key, ready)
+            return
         source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
                         max(1, int(capacity)))
         try:
@@ -223,12 +251,102 @@ class Producer:
             return
         self._settle(source.rdv_key)
 
+    # -- layer-wise streaming (see the module doc) -----------------------------------------------
+    def prefill_started(self, key: str, transfer_id: str, block_ids: tuple[int, ...],
+                        num_tokens: int, *, prompt_digest: str = "", capacity: int = 1) -> None:
+        """The step now running completes engine request ``key``'s prefill: stream it (a source
+        now, packed as its layers are saved). Without staging room, or for a transfer the
+        router released, nothing happens here: ``prefill_done`` takes the usual path."""
+        if (self.staged is None or key in self.sources or key in self._ending
+                or transfer_id in self.released_tids):
+            return
+        stream = self.staged.begin_stream(key, block_ids, num_tokens)
+        if stream is None:
+            return
+        source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
+                        max(1, int(capacity)))
+        try:
+            pairings = self.rdv.add_source(source)
+        except StaleEvent as e:
+            self.staged.end_stream(stream)
+            self.ctx.counters.reject("stale", str(e), context="prefill")
+            return
+        self.streams[key] = stream
+        self.sources[key] = source
+        self._step_streams.append(key)
+        self.ctx.counters.inc("layerwise_streams")
+        if timing.ENABLED:
+            timing.stamp("p_stream_started", transfer_id, key=key)
+        for pairing in pairings:
+            self._start(pairing)
+
+    def layer_saved(self, layer: int, marker: Any) -> None:
+        """Layer ``layer``'s KV writes of the running step are enqueued (``marker``: an event
+        after them, None on the host where they are done): pack that layer of its streams."""
+        for key in self._step_streams:
+            stream = self.streams.get(key)
+            if stream is not None:
+                self.staged.pack_layers(stream, range(layer, layer + 1), marker)
+
+    def step_saved(self, marker: Any) -> None:
+        """The running step's forward enqueued all its KV writes: pack what no ``layer_saved``
+        covered (layers vLLM did not report, e.g. inside a CUDA graph)."""
+        keys, self._step_streams = self._step_streams, []
+        for key in keys:
+            stream = self.streams.get(key)
+            if stream is not None:
+                self.staged.pack_rest(stream, marker)
+
+    def _in_progress(self, key: str) -> bool:
+        """``key`` is a stream source whose prefill is not complete yet."""
+        return key in self.streams and key not in self._completed
+
+    def _complete_stream(self, key: str, ready: Any, failure: str = "") -> None:
+        """A stream's prefill is complete (``prefill_done``), or ended without output
+        (``failure``): pack what is left, start (or fail) the pairings deferred to now."""
+        stream = self.streams[key]
+        if key in self._step_streams:
+            self._step_streams.remove(key)
+        self._completed.add(key)
+        self.staged.pack_rest(stream, ready)
+        self.staged.note_ready(key, ready)
+        src = self.sources[key]
+        if failure:
+            self._failed_streams[key] = failure
+            spare = self.rdv.retire(key)
+        for pairing in self.deferred.pop(key, []):
+            if self._current(pairing.registration):
+                self._start(pairing)
+        if failure and spare:  # decoder requests that come later hear it at once
+            self.prefill_failed(src.transfer_id, failure, prompt_digest=src.prompt_digest,
+                                capacity=spare)
+        if src.transfer_id in self.released_tids:
+            self._close(src.rdv_key)
+            return
+        self._settle(src.rdv_key)
+
+    def _current(self, reg: Registration) -> bool:
+        """``reg`` is still the registration held for its rank (not cancelled, superseded or
+        dropped with its peer while it waited)."""
+        claim = self.rdv.claim(reg.request)
+        return claim is not None and claim.regs.get(reg.tp_rank) is reg
+
     def prefill_failed(self, transfer_id: str, reason: str, *, prompt_digest: str = "",
-                       capacity: int = 1) -> None:
+                       capacity: int = 1, key: str | None = None) -> None:
         """A prefill of ``transfer_id``'s prompt will never finish (aborted, errored): the
         decoder requests it would have served are told now, not at their time-out. It takes
         their place in the rendezvous like a source; decoder requests already served by another
-        source of the same prompt are not affected."""
+        source of the same prompt are not affected.
+
+        ``key``: the engine request, when the engine holds its blocks for us (a streamed
+        prefill): its stream ends (what was written stays written) and the blocks are released
+        once nothing reads them."""
+        if key is not None:
+            if key in self.streams and key not in self._completed:
+                self._complete_stream(key, None, failure=reason or "aborted")
+                return
+            if key not in self.sources and key not in self._ending:
+                self.on_released(key)  # held for a stream that never started: nothing reads it
         source = Source(f"\x00failed-{next(self._failures)}", transfer_id, (), 0, prompt_digest,
                         max(1, int(capacity)), failure=reason or "aborted")
         for pairing in self.rdv.add_source(source):
@@ -400,6 +518,22 @@ class Producer:
             self._resolve(reg)
             return
         jkey = (reg.request, reg.tp_rank, reg.attempt)
+        if src.key in self._failed_streams:
+            self._tell_failed(reg, f"prefill failed: {self._failed_streams[src.key]}", 0)
+            self._resolve(reg)
+            return
+        stream = self.streams.get(src.key)
+        if stream is not None and jkey not in self.jobs:
+            send = self.staged.attach(stream, reg, peer)
+            if send is not None:
+                self.ctx.counters.inc("regions_written", len(send.chunks))
+                self._add_job(jkey, _Job(pairing, self.ctx.clock(), send.length,
+                                         self.staged.posts(send, reg, peer), staged=send))
+                return
+            if self._in_progress(src.key):  # the usual paths need the complete prefill
+                self.ctx.counters.inc("layerwise_fallback", label="layout")
+                self.deferred.setdefault(src.key, []).append(pairing)
+                return
         if reg.slot is not None and self.staged is not None and jkey not in self.jobs:
             send = self.staged.start(src, reg, peer)
             if send is not None:
@@ -474,10 +608,18 @@ class Producer:
         if job.staged is not None and job.staged.error and not job.error:
             job.error = job.staged.error  # a pack failed: nothing more is posted
         if "PROC" in states or job.posting:
+            job.awaits_layers = "PROC" not in states and self._awaits_layers(job)
             return  # in flight, or more to post: no answer and no release yet
         if job.staged is not None and not self.staged.idle(job.staged):
             return  # a pack still reads the source blocks and writes the staging room
         self._end_job(jkey, states.count("DONE"))
+
+    def _awaits_layers(self, job: _Job) -> bool:
+        send = job.staged
+        if send is None or send.stream is None or not job.posting:
+            return False
+        return any(layer not in send.stream.packs
+                   for layer in send.chunks[len(job.handles)].layers)
 
     def _packed(self, job: _Job) -> bool:
         """Whether ``job``'s next chunk may be posted (staged: its pack completed)."""
@@ -516,9 +658,11 @@ class Producer:
         self._settle(src.rdv_key)
 
     def _settle(self, rdv_key: RdvKey) -> None:
-        """Release every source of ``rdv_key`` that is done and that no WRITE reads."""
+        """Release every source of ``rdv_key`` that is done and that no WRITE reads (a stream
+        source: once its prefill is complete; its blocks go once no pack of it runs)."""
         for src in self.rdv.sources(rdv_key):
-            if src.key in self.readers or not self.rdv.source_done(src.key):
+            if (src.key in self.readers or self._in_progress(src.key)
+                    or not self.rdv.source_done(src.key)):
                 continue
             now = self.ctx.clock()
             for claim in self.rdv.remove_source(src.key):
@@ -527,6 +671,15 @@ class Producer:
                 del self.sources[src.key]
                 if self.staged is not None:
                     self.staged.forget(src.key)
+                stream = self.streams.pop(src.key, None)
+                self._completed.discard(src.key)
+                self._failed_streams.pop(src.key, None)
+                self.deferred.pop(src.key, None)
+                if stream is not None and not self.staged.stream_idle(stream):
+                    self._ending[src.key] = stream  # released by ``tick`` once idle
+                    continue
+                if stream is not None:
+                    self.staged.end_stream(stream)
                 self.on_released(src.key)
 
     # -- role hooks ----------------------------------------------------------------------------
@@ -534,6 +687,11 @@ class Producer:
         for jkey in list(self.jobs):
             if jkey in self.jobs:
                 self._poll_job(jkey)
+        for key, stream in list(self._ending.items()):
+            if self.staged.stream_idle(stream):
+                del self._ending[key]
+                self.staged.end_stream(stream)
+                self.on_released(key)
         if self.orphans:
             still = []
             for h in self.orphans:
@@ -592,7 +750,7 @@ class Producer:
                 g.token_order, g.block_size, g.tp_size)
 
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return any(not job.awaits_layers for job in self.jobs.values()) or bool(self._ending)
 
     def writing_to(self, agent_name: str) -> bool:
         return any(job.handles and job.reg.peer == agent_name for job in self.jobs.values())
@@ -656,4 +814,5 @@ class Producer:
                "rendezvous": len(self.rdv), "claims": self.rdv.num_claims}
         if self.staged is not None:
             out["staging_rooms"] = self.staged.live()  # P's pool ranges in use
+            out["streams"] = len(self.streams) + len(self._ending)
         return out

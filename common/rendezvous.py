@@ -346,6 +346,17 @@ class Rendezvous:
                 out.append(held.source)
         return out
 
+    def retire(self, source_key: str) -> int:
+        """``source_key`` takes no more claims and is done once no WRITE reads it, as if it had
+        expired (a streamed prefill that failed: the claims it has are failed by the caller).
+        Returns the capacity it had left."""
+        held = self._held(source_key)
+        if held is None:
+            return 0
+        spare = held.spare
+        held.expired = True
+        return spare
+
     def expire(self) -> tuple[list[Claim], list[Source]]:
         """Apply the time-out: claims that found no source within ``ttl_s`` are removed and
         returned; sources here for ``ttl_s`` take no more claims and are returned once (the

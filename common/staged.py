@@ -61,14 +61,14 @@ import numpy as np
 
 from .geometry import GeometryError, KVGeometry
 from .messages import MessageRejected, Slot, StagingRegion, WriteDone
-from .staging import Chunk, SlotLayout, StagingPlan, WriterSlice, layers_per_chunk, pack_plan
-from .staging import slot_layout, unpack_plans
+from .staging import Chunk, SlotLayout, StagingPlan, WriterSlice, gather_plan, layers_per_chunk
+from .staging import pack_plan, slot_layout, unpack_plans
 from .staging_pool import StagingPool
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StagingMemory", "StagingOps", "TorchStagingOps", "StagedSender", "StagedReceiver",
-           "StagedSend", "staging_unavailable"]
+           "StagedSend", "Stream", "staging_unavailable"]
 
 #: slot alignment inside a pool (and the pools' base alignment, see backend.STAGING_ALIGN)
 SLOT_ALIGN = 4096
@@ -241,6 +241,25 @@ def _desc(addr: int, length: int, dev_id: int) -> np.ndarray:
 
 
 @dataclass(eq=False)
+class Stream:
+    """A prefill packed layer by layer while its step runs (layer-wise streaming): this rank's
+    whole sub-slice for a decoder of the same TP size with no prefix of its own -- all local
+    heads, tokens ``[0, num_tokens)`` -- in a room of P's pool, which the stream owns. Every
+    registration whose writer sub-slice is exactly that is written from it (``attach``)."""
+
+    key: str
+    offset: int  # of the room in P's pool
+    length: int
+    plan: StagingPlan
+    prepared: Any
+    packs: dict = field(default_factory=dict)  # layer -> handle of the pack that covers it
+    error: str = ""
+
+    def packed_layers(self) -> int:
+        return len(self.packs)
+
+
+@dataclass(eq=False)
 class StagedSend:
     """One registration's staged WRITE on the producer: its room in P's pool and its packs."""
 
@@ -252,6 +271,9 @@ class StagedSend:
     ready: Any  # the event the packs wait for (None on the host)
     packs: list = field(default_factory=list)  # handle per chunk packed or enqueued, in order
     error: str = ""
+    #: written from a layer-wise ``Stream`` (whose room and packs it shares; the stream packs,
+    #: and releases the room when it ends)
+    stream: Stream | None = None
 
     def room(self, chunk: Chunk) -> tuple[int, int]:
         """(offset in P's pool, length) of ``chunk``'s packed bytes."""
@@ -386,9 +408,102 @@ class StagedSender:
                               peer.geometry.dev_id), notice))
         return out
 
+    # -- layer-wise streams --------------------------------------------------------------------
+    def begin_stream(self, key: str, block_ids, num_tokens: int) -> Stream | None:
+        """Reserve room for ``key``'s whole local sub-slice and prepare its gather plan; None
+        (counted in ``layerwise_fallback{reason}``) when that cannot be done -- the prefill
+        then takes the post-prefill path."""
+        g = self.ctx.geometry
+        try:
+            plan = gather_plan(g, block_ids, first_token=0, num_tokens=num_tokens,
+                               heads=g.head_range)
+        except GeometryError as e:
+            self.ctx.counters.inc("layerwise_fallback", label="error")
+            logger.info("kv_push: layer-wise stream of %s not started: %s", key, e)
+            return None
+        if plan.total_bytes == 0:
+            return None
+        got = self.pool.reserve(plan.total_bytes)
+        if got is None:
+            self.ctx.counters.inc("layerwise_fallback", label="producer_pool")
+            return None
+        try:
+            prepared = self.ops.prepare(plan)
+        except Exception as e:  # noqa: BLE001 - the post-prefill path still works
+            self.pool.release(got[0])
+            logger.exception("kv_push: preparing a layer-wise pack plan failed")
+            self.ctx.counters.inc("layerwise_fallback", label="error")
+            return None
+        return Stream(key, got[0], plan.total_bytes, plan, prepared)
+
+    def pack_layers(self, stream: Stream, layers: range, marker: Any) -> None:
+        """Pack the layers of ``layers`` not packed yet, after the event ``marker`` (their KV
+        writes); consecutive ones in one op. A failure is kept in ``stream.error``."""
+        if stream.error:
+            return
+        todo = [layer for layer in layers if layer not in stream.packs]
+        while todo:
+            lo = hi = todo[0]
+            while hi + 1 in todo:
+                hi += 1
+            todo = [layer for layer in todo if layer > hi]
+            run = range(lo, hi + 1)
+            off, n = stream.plan.span(run)
+            try:
+                handle = self.ops.pack(stream.prepared, stream.offset + off, n, run, (marker,))
+            except Exception as e:  # noqa: BLE001 - reported to D as a failed transfer
+                logger.exception("kv_push: packing layers %s of a layer-wise stream failed", run)
+                stream.error = f"packing layers [{lo}, {hi + 1}) failed: {e}"
+                return
+            for layer in run:
+                stream.packs[layer] = handle
+
+    def pack_rest(self, stream: Stream, marker: Any) -> None:
+        self.pack_layers(stream, range(stream.plan.num_layers), marker)
+
+    def attach(self, stream: Stream, reg, peer) -> StagedSend | None:
+        """A send of ``stream``'s packed bytes into ``reg``'s slot, or None when that slot
+        wants other bytes (other heads or tokens: a decoder of another TP size, or with a
+        prefix of its own) or none (no slot, no staging region): the caller takes the
+        post-prefill path then."""
+        slot: Slot | None = reg.slot
+        region = self.regions.get(peer.agent_name)
+        if slot is None or region is None or stream.error:
+            return None
+        g = self.ctx.geometry
+        try:
+            layout = slot_layout(peer.geometry, g.tp_size, first_token=reg.first_token,
+                                 num_tokens=reg.num_tokens)
+            writer = layout.writer(g.tp_rank)
+            chunks = layout.chunks(g.tp_rank, slot.layers_per_chunk)
+        except GeometryError:
+            return None
+        plan = stream.plan
+        if (writer.heads != plan.heads or (reg.first_token, reg.num_tokens) != (
+                plan.first_token, plan.num_tokens) or writer.length != stream.length):
+            return None
+        if slot.length < layout.total_bytes or slot.offset + slot.length > region.length:
+            return None  # the post-prefill path refuses and counts it
+        return StagedSend(stream.offset, stream.length, writer, chunks, stream.prepared, None,
+                          stream=stream)
+
+    def stream_idle(self, stream: Stream) -> bool:
+        """No pack of ``stream`` still runs (its source blocks and room are untouched)."""
+        return all(h.query() for h in set(stream.packs.values()))
+
+    def end_stream(self, stream: Stream) -> None:
+        """Release ``stream``'s room (only once ``stream_idle``)."""
+        self.pool.release(stream.offset)
+
     def packed(self, send: StagedSend, index: int) -> bool:
         """Whether chunk ``index`` is packed (host: packs it now). False on a failed pack
         (``send.error`` says why)."""
+        if send.stream is not None:
+            if send.stream.error:
+                send.error = send.error or send.stream.error
+                return False
+            handles = [send.stream.packs.get(layer) for layer in send.chunks[index].layers]
+            return None not in handles and all(h.query() for h in set(handles))
         if send.error:
             return False
         while len(send.packs) <= index:
@@ -397,12 +512,17 @@ class StagedSender:
         return bool(send.packs[index].query())
 
     def idle(self, send: StagedSend) -> bool:
-        """No pack of ``send`` is still running (its source blocks and room are untouched)."""
-        return all(h.query() for h in send.packs)
+        """No pack of ``send`` is still running (its source blocks and room are untouched);
+        a stream's packs are the stream's to wait for."""
+        return send.stream is not None or all(h.query() for h in send.packs)
 
     def finish(self, send: StagedSend, ok: bool) -> None:
-        """Release ``send``'s room; count it when every chunk was written (``ok``)."""
-        self.pool.release(send.offset)
+        """Release ``send``'s room (a stream's stays, the stream owns it); count it when every
+        chunk was written (``ok``)."""
+        if send.stream is None:
+            self.pool.release(send.offset)
+        elif ok:
+            self.ctx.counters.inc("layerwise_transfers")
         if ok:
             self.ctx.counters.inc("staged_transfers")
             self.ctx.counters.inc("staged_chunks", len(send.chunks))

@@ -211,10 +211,52 @@ class PushWorker:
             capacity=capacity, ready=ready))
 
     def prefill_failed(self, transfer_id: str, reason: str = "aborted", *,
-                       prompt_digest: str = "", capacity: int = 1) -> None:
+                       prompt_digest: str = "", capacity: int = 1, key: str | None = None) -> None:
+        """``key``: the engine request, when the engine holds its blocks until this worker
+        reports it released (a streamed prefill)."""
         producer = self._need(self.producer, "prefill_failed")
         self.thread.submit(lambda: producer.prefill_failed(
-            transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity))
+            transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity, key=key))
+
+    # -- producer: layer-wise streaming (``producer.py``) ---------------------------------------
+    @property
+    def streams(self) -> bool:
+        """Whether ``prefill_started`` does anything here (a producer that stages, with
+        ``layerwise`` not off)."""
+        return (self.producer is not None and self.producer.staged is not None
+                and self.config.layerwise != "off")
+
+    def prefill_started(self, key: str, transfer_id: str, block_ids, num_tokens: int, *,
+                        prompt_digest: str = "", capacity: int = 1) -> None:
+        """(engine thread, before the step's forward) The step about to run completes the
+        prefill of ``key`` into ``block_ids``; its KV is written layer by layer in this step.
+        ``prefill_done`` must still follow, after the step."""
+        if not self.streams:
+            return
+        producer = self.producer
+        ids = tuple(block_ids)
+        self.thread.submit(lambda: producer.prefill_started(
+            key, transfer_id, tuple(map(int, ids)), num_tokens, prompt_digest=prompt_digest,
+            capacity=capacity))
+
+    def layer_saved(self, layer: int) -> None:
+        """(engine thread) Layer ``layer``'s KV writes of this step were enqueued on the current
+        stream (vLLM's ``save_kv_layer``): an event is recorded after them (never a sync) and
+        the transfer thread packs that layer of every prefill the step streams."""
+        if not self.streams:
+            return
+        producer = self.producer
+        marker = producer.staged.marker()
+        self.thread.submit(lambda: producer.layer_saved(layer, marker))
+
+    def step_saved(self) -> None:
+        """(engine thread) This step's forward enqueued all its KV writes (vLLM's
+        ``wait_for_save``): layers no ``layer_saved`` reported are packed after them."""
+        if not self.streams:
+            return
+        producer = self.producer
+        marker = producer.staged.marker()
+        self.thread.submit(lambda: producer.step_saved(marker))
 
     def _accept_release(self, release: Release) -> ReleaseAck:
         """(side-channel thread) An authenticated ``Release`` from the router: hand it to the

@@ -44,6 +44,7 @@ SETTABLE = {
     "producer_staging_bytes": [(-1, -1), ("0", 0), (4096, 4096)],
     "staging_chunk_bytes": [("536870912", 512 << 20), (1, 1)],
     "early_prefill_done": [("auto", "auto"), ("off", "off")],
+    "layerwise": [("auto", "auto"), ("off", "off")],
 }
 
 
@@ -196,6 +197,8 @@ def test_unknown_key_is_named(key):
     ("early_prefill_done", "AUTO"),
     ("early_prefill_done", True),
     ("early_prefill_done", ""),
+    ("layerwise", "on"),
+    ("layerwise", True),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:

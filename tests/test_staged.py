@@ -572,7 +572,7 @@ def test_decoder_death_while_packing_holds_the_source_until_the_packs_ran():
     w.p_nodes[0].step()
     assert w.released == ["p-1"] and w.p_pool().used_bytes == 0
     assert w.producers[0].live() == {"sources": 0, "jobs": 0, "rendezvous": 0, "claims": 0,
-                                     "staging_rooms": 0}
+                                     "staging_rooms": 0, "streams": 0}
 
 
 def test_producer_death_while_unpacking_fails_after_the_unpack():
