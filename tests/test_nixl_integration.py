@@ -109,14 +109,17 @@ def registrations_expected(p_tp: int, d_tp: int, ranks=None) -> list[int]:
 
 def push(producers, decoders, *, num_tokens: int, pblocks, dblocks, first_token: int = 0,
          order: str = "reg_first", seed: int | None = None, check_order: bool = True,
-         last_rank_first: bool = False) -> dict:
+         last_rank_first: bool = False, stream: bool = False) -> dict:
     """One transfer through the real path from a producer TP group to a decoder TP group.
 
     ``order``: "reg_first" (every registration reaches P before its prefill is done) or
     "prefill_first". ``last_rank_first`` (with "reg_first"): decoder ranks register one after
     the other from the last, so producers pair the registrations in that order. Checks every
     decoder rank's outcome and bytes, that every producer rank released its source, and the
-    producers' early/late registration counters."""
+    producers' early/late registration counters. ``stream``: the prefill is streamed layer by
+    layer (``PeerServer.stream_prefill``: each layer's bytes appear right before it is
+    reported) instead of handed over whole."""
+    prefill = "stream_prefill" if stream else "prefill_done"
     seed = random.randrange(1 << 30) if seed is None else seed
     tid, pkey, dkey = uid("t"), uid("p"), uid("d")
     addr = producers[0].call("address")
@@ -140,10 +143,10 @@ def push(producers, decoders, *, num_tokens: int, pblocks, dblocks, first_token:
                         f" from {before}, want +{got}; decoders' outcomes so far: "
                         f"{[d.call('poll_outcomes') for d in decoders]}")
         for p in producers:
-            p.call("prefill_done", pkey, tid, pblocks, num_tokens)
+            p.call(prefill, pkey, tid, pblocks, num_tokens)
     else:
         for p in producers:
-            p.call("prefill_done", pkey, tid, pblocks, num_tokens)
+            p.call(prefill, pkey, tid, pblocks, num_tokens)
             p.call("live")  # a barrier: the transfer thread has taken the prefill in
         for d in decoders:
             d.call("expect", dkey, tid, 0, addr, dblocks, first_token, num_tokens)

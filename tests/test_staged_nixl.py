@@ -78,7 +78,8 @@ def no_leaks(peers):
 
 
 COUNTED = ("staged_transfers", "staged_chunks", "staged_bytes", "staged_fallback",
-           "writes_posted", "bytes_written")
+           "writes_posted", "bytes_written", "layerwise_streams", "layerwise_transfers",
+           "layerwise_fallback")
 
 
 def snap(*peers_) -> list[dict[str, float]]:
@@ -86,7 +87,8 @@ def snap(*peers_) -> list[dict[str, float]]:
     for p in peers_:
         c = p.call("counters")
         out.append({k: c.get(k, 0.0) for k in COUNTED} | {
-            k: v for k, v in c.items() if k.startswith("staged_fallback{")})
+            k: v for k, v in c.items() if k.startswith(("staged_fallback{",
+                                                        "layerwise_fallback{"))})
     return out
 
 
@@ -96,13 +98,13 @@ def delta(before, after) -> list[dict[str, float]]:
 
 
 def staged_push(producers, decoders, *, num_tokens, pblocks, dblocks, first_token=0,
-                order="reg_first"):
+                order="reg_first", stream=False):
     """``push`` with canaries: every D block not written must keep its canary."""
     for d in decoders:
         d.call("fill_byte", CANARY)
     before = snap(*producers, *decoders)
     push(producers, decoders, num_tokens=num_tokens, pblocks=pblocks, dblocks=dblocks,
-         first_token=first_token, order=order)
+         first_token=first_token, order=order, stream=stream)
     n = -(-(num_tokens - first_token) // decoders[0].call("geometry").block_size)
     for rank, d in enumerate(decoders):
         g = d.call("geometry")
@@ -181,6 +183,53 @@ def test_staged_producer_tp2_to_decoder_tp2(peers):
     assert_all_staged(changes, [1, 1], [1, 1])
 
 
+# -- layer-wise streaming ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["reg_first", "prefill_first"])
+@pytest.mark.parametrize("d_name,num_tokens", [("D8", 61), ("D24", 100)])
+def test_layerwise_stream_between_block_sizes_and_token_orders(peers, d_name, num_tokens, order):
+    """The producer's blocks of each layer hold zeros until right before that layer is reported
+    (``stream_prefill``): D's bytes prove every chunk was packed after its layers were
+    written, and from the stream (no pack after the prefill)."""
+    P, D = peers.P16, getattr(peers, d_name)
+    pg, dg = P.call("geometry"), D.call("geometry")
+    rng = np.random.default_rng(num_tokens + 1)
+    changes = staged_push(
+        [P], [D], num_tokens=num_tokens, order=order, stream=True,
+        pblocks=fragmented_blocks(rng, pg.num_blocks, -(-num_tokens // pg.block_size)),
+        dblocks=fragmented_blocks(rng, dg.num_blocks, -(-num_tokens // dg.block_size)))
+    assert_all_staged(changes, [1], [1])
+    assert changes[0]["layerwise_streams"] == changes[0]["layerwise_transfers"] == 1
+
+
+def test_layerwise_stream_with_a_decoder_prefix_waits_for_the_prefill(peers):
+    P, D = peers.P16, peers.D8
+    n, first = 77, 24
+    changes = staged_push([P], [D], num_tokens=n, pblocks=blocks_for(n, 16, 140),
+                          dblocks=[330, 332, 334, 336, 338, 340, 342], first_token=first,
+                          stream=True)
+    assert changes[0]["layerwise_streams"] == 1 and "layerwise_transfers" not in changes[0]
+    assert changes[0]["layerwise_fallback{layout}"] == 1
+    assert changes[0]["staged_transfers"] == changes[1]["staged_transfers"] == 1
+
+
+@pytest.mark.parametrize("order", ["reg_first", "prefill_first"])
+def test_layerwise_stream_producer_tp2_to_decoder_tp1(peers, order):
+    changes = staged_push([peers.PT0, peers.PT1], [peers.D8], num_tokens=90, order=order,
+                          pblocks=blocks_for(90, 16, 150), stream=True,
+                          dblocks=fragmented_blocks(np.random.default_rng(9), 512, 12))
+    assert_all_staged(changes, [1, 1], [2])
+    assert [c["layerwise_transfers"] for c in changes[:2]] == [1, 1]
+
+
+def test_layerwise_stream_producer_tp1_to_decoder_tp2_falls_back_per_rank(peers):
+    changes = staged_push([peers.P16], [peers.DT0, peers.DT1], num_tokens=90, stream=True,
+                          pblocks=blocks_for(90, 16, 160), dblocks=blocks_for(90, 8, 100))
+    assert_all_staged(changes, [2], [1, 1])
+    assert changes[0]["layerwise_fallback{layout}"] == 2
+
+
 # -- opaque blocks (vLLM's CPU tiles) --------------------------------------------------------------
 
 
@@ -195,6 +244,11 @@ def test_staged_opaque_blocks_move_whole():
         assert_all_staged(changes, [1], [1])
         g = d.call("geometry")
         assert changes[1]["staged_bytes"] == 5 * g.block_bytes * g.num_layers  # whole blocks
+        changes = staged_push([p], [d], num_tokens=70, stream=True,
+                              pblocks=fragmented_blocks(rng, 256, 5),
+                              dblocks=fragmented_blocks(rng, 256, 5))
+        assert_all_staged(changes, [1], [1])
+        assert changes[0]["layerwise_transfers"] == 1
         assert_no_leaks([p], [d])
     finally:
         close_peers(p, d)

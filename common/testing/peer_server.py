@@ -94,6 +94,42 @@ class PeerServer:
     def prefill_done(self, key, transfer_id, block_ids, num_tokens):
         self.worker.prefill_done(key, transfer_id, block_ids, num_tokens)
 
+    def stream_prefill(self, key, transfer_id, block_ids, num_tokens, *,
+                       write_layers: bool = True, done: bool = True) -> int:
+        """A prefill streamed layer by layer, as the connector drives it within one step:
+        ``prefill_started``, per layer ``layer_saved``, ``step_saved``, then (``done``)
+        ``prefill_done``. With ``write_layers`` (host memory) the request's blocks of every
+        layer are zeroed first and each layer's bytes come back right before its
+        ``layer_saved`` -- as a forward writes them, each after the transfer thread took the
+        previous layer in -- so a pack taken too early moves zeros.
+        Returns the layers reported."""
+        ids = list(block_ids)
+        layers = self.memory.geometry.num_layers
+        pool = getattr(self.memory, "pool", None) if write_layers else None
+        kept: dict = {}
+        if pool is not None:
+            g = pool.geometry
+            for layer in range(layers):
+                for part in range(g.kv_parts):
+                    for b in ids:
+                        view = pool.block_view(layer, part, b)
+                        kept[layer, part, b] = view.copy()
+                        view[...] = 0
+        self.worker.prefill_started(key, transfer_id, ids, num_tokens)
+        for layer in range(layers):
+            for (lay, part, b), data in kept.items():
+                if lay == layer:
+                    pool.block_view(layer, part, b)[...] = data
+            self.worker.layer_saved(layer)
+            # the next layer's "forward" starts only once the transfer thread took this one
+            # in (a real layer takes far longer than that): a pack of a layer not written yet
+            # would move its zeros
+            self.worker.thread.call(lambda: None, 5.0)
+        self.worker.step_saved()
+        if done:
+            self.worker.prefill_done(key, transfer_id, ids, num_tokens)
+        return layers
+
     def prefill_done_at(self, key, transfer_id, block_ids, num_tokens) -> float:
         """Hand a finished prefill to the worker; returns the monotonic time of the call."""
         ids = list(block_ids)
