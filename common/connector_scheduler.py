@@ -508,6 +508,14 @@ class PushScheduler:
             self._held.add(rid)
             return True, self._reply(params, rid)
         digest = prompt_digest(getattr(request, "prompt_token_ids", None))
+        if streamed is not None and finished_ok and set(streamed.block_ids) - set(block_ids):
+            # blocks taken away after the step was planned (cannot happen one batch at a time;
+            # with async scheduling only if vLLM preempted it before its output): the stream
+            # may have read reused blocks -- never hand it over as a good prefill
+            logger.error("kv_push: streamed request %s ends without blocks %s it was streamed "
+                         "from; its transfer is failed", rid,
+                         sorted(set(streamed.block_ids) - set(block_ids)))
+            finished_ok = False
         if streamed is not None and not (finished_ok and block_ids):
             # its step ran and packs may read its blocks: hold them until the workers say
             # nothing does (they report it in finished_sending); decoders hear it failed

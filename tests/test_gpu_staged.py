@@ -106,3 +106,43 @@ def test_staged_vram_push_bytes_verified(peers, figures, decoder, num_tokens, fi
     assert D.call("live")["staging_slots"] == 0 and P.call("live")["staging_rooms"] == 0
     figures("gpu staged push (VRAM->VRAM)", f"{decoder} {num_tokens - first_token} tok, "
             f"{LAYERS} chunks", got[2] - t0, f"{layout.total_bytes / 2**20:.1f} MiB verified")
+
+
+@pytest.mark.parametrize("decoder,order", [("D_nhd", "reg_first"), ("D_hnd", "reg_first"),
+                                           ("D_nhd", "prefill_first")])
+def test_layerwise_stream_vram_bytes_verified(peers, figures, decoder, order):
+    """Layer-wise streaming on the GPU: P's blocks of each layer are zero until the "forward"
+    writes them back on the engine's stream after a device spin, right before ``layer_saved``;
+    the packs wait for each layer's event, so D's bytes equal the pattern only when every pack
+    ran after its layer's writes. Written from the stream: no pack after the prefill."""
+    P, D = peers["P"], peers[decoder]
+    num_tokens = 1000
+    i = next(_seq)
+    rng = np.random.default_rng(800 + i)
+    pblocks = fragmented_blocks(rng, P_BLOCKS, -(-num_tokens // 16))
+    dblocks = fragmented_blocks(rng, D_BLOCKS, -(-num_tokens // 32))
+    seed = 9500 + i
+    P.call("fill", seed, num_tokens, pblocks, timeout=120)
+    D.call("canary", timeout=120)
+    before_p, before = P.call("counters"), D.call("counters")
+    key, tid = f"lw-gpu-{i}", f"lw-gpu-xfer-{i}-{decoder}"
+    if order == "reg_first":
+        D.call("expect_at", key, tid, 0, P.call("address"), dblocks, 0, num_tokens)
+    P.call("stream_prefill", key, tid, pblocks, num_tokens, delay_cycles=2_000_000,
+           timeout=120)
+    if order != "reg_first":
+        D.call("expect_at", key, tid, 0, P.call("address"), dblocks, 0, num_tokens)
+    got = D.call("outcome_at", key, 60.0, timeout=90)
+    assert got is not None and got[0] == "received", got
+    assert P.call("wait_released", [key], 30.0) == [key]
+    v = D.call("verify", seed, num_tokens, dblocks, 0, timeout=120)
+    assert v["mismatch"] == 0, f"{v['mismatch']} received elements differ from the pattern"
+    assert v["canary"] == 0, f"{v['canary']} elements outside the target were overwritten"
+    after_p, after = P.call("counters"), D.call("counters")
+    dp = {k: after_p.get(k, 0) - before_p.get(k, 0) for k in after_p}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert dp.get("layerwise_streams") == dp.get("layerwise_transfers") == 1, dp
+    assert d.get("staged_transfers") == 1 and d.get("staged_chunks") == LAYERS, d
+    assert P.call("live")["staging_rooms"] == 0 and P.call("live")["streams"] == 0
+    figures("gpu layer-wise push (VRAM->VRAM)", f"{decoder} {order} {num_tokens} tok",
+            "verified", f"{LAYERS} chunks")

@@ -468,6 +468,17 @@ def test_an_aborted_streamed_request_holds_its_blocks_and_names_itself():
     assert not s.has_pending_work()
 
 
+def test_a_streamed_request_that_lost_its_blocks_is_never_handed_over_as_good():
+    s = scheduler()
+    look(s, req("p1", dict(P_PARAMS)))
+    (ready,) = s.take_plan(output(new_req("p1"))).streaming
+    other = [b + 100 for b in ready.block_ids]
+    assert s.request_finished(req("p1", dict(P_PARAMS), computed=100), other,
+                              finished_ok=True) == (True, None)
+    plan = s.take_plan()
+    assert not plan.prefills and [a.held for a in plan.prefill_aborts] == [True]
+
+
 def test_with_early_announcement_too_both_lists_name_it_once():
     s = scheduler(early=True)
     look(s, req("p1", dict(P_PARAMS)))

@@ -132,6 +132,21 @@ class HostMemory:
         return pattern.verify_pattern(self.pool, seed, block_ids, num_tokens, first_token)
 
     # -- raw bytes ------------------------------------------------------------------------------
+    def hide_layers(self, block_ids) -> None:
+        """Layer-wise tests: set the bytes of ``block_ids`` aside (every layer) and zero them."""
+        g = self.geometry
+        self._hidden = {(layer, part, b): self.pool.block_view(layer, part, b).copy()
+                        for layer in range(g.num_layers) for part in range(g.kv_parts)
+                        for b in block_ids}
+        for view in (self.pool.block_view(*k) for k in self._hidden):
+            view[...] = 0
+
+    def restore_layer(self, layer: int, delay_cycles: int = 0) -> None:
+        """Write ``layer``'s bytes set aside by ``hide_layers`` back (as a forward would)."""
+        for (lay, part, b), data in self._hidden.items():
+            if lay == layer:
+                self.pool.block_view(lay, part, b)[...] = data
+
     def fill_byte(self, value: int) -> None:
         """Every byte of the pool to ``value``."""
         self.pool.buf.fill(value)

@@ -95,35 +95,28 @@ class PeerServer:
         self.worker.prefill_done(key, transfer_id, block_ids, num_tokens)
 
     def stream_prefill(self, key, transfer_id, block_ids, num_tokens, *,
-                       write_layers: bool = True, done: bool = True) -> int:
+                       write_layers: bool = True, delay_cycles: int = 0,
+                       done: bool = True) -> int:
         """A prefill streamed layer by layer, as the connector drives it within one step:
         ``prefill_started``, per layer ``layer_saved``, ``step_saved``, then (``done``)
-        ``prefill_done``. With ``write_layers`` (host memory) the request's blocks of every
-        layer are zeroed first and each layer's bytes come back right before its
-        ``layer_saved`` -- as a forward writes them, each after the transfer thread took the
-        previous layer in -- so a pack taken too early moves zeros.
-        Returns the layers reported."""
+        ``prefill_done``. With ``write_layers`` (memories with ``hide_layers``) the request's
+        blocks of every layer are zeroed first and each layer's bytes are written back right
+        before its ``layer_saved`` -- as a forward writes them (CUDA: on the current stream,
+        after a ``delay_cycles`` spin, so a pack not ordered after the layer's event reads
+        zeros), each once the transfer thread took the previous layer in -- so a pack taken too
+        early moves zeros. Returns the layers reported."""
         ids = list(block_ids)
         layers = self.memory.geometry.num_layers
-        pool = getattr(self.memory, "pool", None) if write_layers else None
-        kept: dict = {}
-        if pool is not None:
-            g = pool.geometry
-            for layer in range(layers):
-                for part in range(g.kv_parts):
-                    for b in ids:
-                        view = pool.block_view(layer, part, b)
-                        kept[layer, part, b] = view.copy()
-                        view[...] = 0
+        hide = getattr(self.memory, "hide_layers", None) if write_layers else None
+        if hide is not None:
+            hide(ids)
         self.worker.prefill_started(key, transfer_id, ids, num_tokens)
         for layer in range(layers):
-            for (lay, part, b), data in kept.items():
-                if lay == layer:
-                    pool.block_view(layer, part, b)[...] = data
+            if hide is not None:
+                self.memory.restore_layer(layer, delay_cycles)
             self.worker.layer_saved(layer)
-            # the next layer's "forward" starts only once the transfer thread took this one
-            # in (a real layer takes far longer than that): a pack of a layer not written yet
-            # would move its zeros
+            # a real layer takes far longer than the hand-over: the next starts once the
+            # transfer thread took this one in
             self.worker.thread.call(lambda: None, 5.0)
         self.worker.step_saved()
         if done:

@@ -208,6 +208,26 @@ class TorchMemory:
                 self._part(layer, kv)[ids] = vals.view(nb, bs, g.local_heads, g.head_size)
         self._sync()
 
+    def hide_layers(self, block_ids) -> None:
+        """Layer-wise tests: set the request's blocks aside (every layer) and zero them."""
+        g = self.geometry
+        self._hidden_ids = ids = self._ids(block_ids)
+        self._hidden = [[self._part(layer, kv)[ids].clone() for kv in range(g.kv_parts)]
+                        for layer in range(g.num_layers)]
+        for layer in range(g.num_layers):
+            for kv in range(g.kv_parts):
+                self._part(layer, kv)[ids] = 0
+        self._sync()
+
+    def restore_layer(self, layer: int, delay_cycles: int = 0) -> None:
+        """Write ``layer``'s blocks back on the current stream -- after a ``delay_cycles``
+        device spin (CUDA), so that only work ordered after this (an event recorded next)
+        sees them -- as a forward writes a layer's KV."""
+        if delay_cycles and self.device.type == "cuda":
+            self.torch.cuda._sleep(int(delay_cycles))
+        for kv, data in enumerate(self._hidden[layer]):
+            self._part(layer, kv)[self._hidden_ids] = data
+
     def canary(self) -> None:
         """D: every byte of the pool to CANARY_D."""
         for t in self.layers:
