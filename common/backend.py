@@ -19,7 +19,9 @@ transfer path (``staged.py``), of the backend's ``mem_type`` on device ``dev_id`
 ``STAGING_ALIGN``, staying allocated while ``keepalive`` is referenced; ``BackendError`` when it
 cannot. ``default_staging_bytes`` is the pool size the config's ``-1`` stands for (0: no pool
 unless configured). ``PushWorker`` registers the pool next to the KV. A backend without
-``alloc_staging`` never stages (the region path only).
+``alloc_staging`` never stages (the region path only); it may say why in a
+``staging_unsupported`` string (where it is explained), which the worker logs and puts into the
+error when a pool is configured anyway.
 
 Lifecycle (``worker.PushWorker``, in each vLLM worker process, on the thread that builds it)
 ---------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ the backend (``alloc_staging``; size ``producer_staging_bytes`` / ``decoder_stag
 meaning the backend's ``default_staging_bytes``) and registers it with the NIXL agent next to the
 KV, before the agent's metadata is handed out. A pool the config sizes explicitly must be
 allocated (else ``BackendError``); a default-sized one that cannot be is skipped with a warning.
+A backend that does not stage at all (no ``alloc_staging``; Neuron today) is logged once per
+worker with its ``staging_unsupported`` reason, which names where that is explained.
 
 ``describe()`` tells what the worker holds in detail (for diagnosing a leak); with
 ``KV_PUSH_STATE_LOG_S=N`` in the environment a worker logs it every N seconds while it holds
@@ -81,6 +83,7 @@ class PushWorker:
         transport.register(geometry.regions(), geometry.mem_type, geometry.dev_id)
         self.backend.verify_registration(geometry)
         self.staging: dict[str, StagingMemory] = {}
+        self._told_no_staging = False
         for side in ("producer", "decoder"):
             if role in (side, "both"):
                 mem = self._staging_pool(side, transport)
@@ -144,12 +147,17 @@ class PushWorker:
         configured = getattr(self.config, key)
         nbytes = configured if configured >= 0 else int(
             getattr(self.backend, "default_staging_bytes", 0))
-        if nbytes == 0:
-            return None
         alloc = getattr(self.backend, "alloc_staging", None)
+        unsupported = None if alloc is not None else getattr(
+            self.backend, "staging_unsupported", None)
+        if nbytes == 0:
+            if unsupported and not self._told_no_staging:
+                self._told_no_staging = True
+                logger.info("kv_push: staged transfers off (%s): region path only", unsupported)
+            return None
         why = staging_unavailable() or (
-            None if alloc is not None else f"the {self.backend.name} backend cannot allocate "
-            "staging memory")
+            None if alloc is not None else unsupported or f"the {self.backend.name} backend "
+            "cannot allocate staging memory")
         try:
             if why is not None:
                 raise BackendError(why)

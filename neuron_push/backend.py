@@ -24,6 +24,13 @@ none of them has run on Trainium):
 * the model has no sliding-window attention and, on trn2, the engine's core slice starts at a
   multiple of its TP size (``check_model``).
 
+Capabilities: the region path only. There is no ``alloc_staging``, so the staged path (pack
+into a registered staging pool, a few large WRITEs, unpack on D) is never taken on Neuron, and
+vLLM's per-layer ``save_kv_layer`` hook does not reach the connector there (vllm-neuron runs the
+model as one compiled graph and calls the connector around it), so layer-wise streaming is not
+available either. How pack/unpack could run on Trainium, and what stands in the way, is
+docs/neuron.md, "Staged and layer-wise transfers on Trainium" (a design; nothing of it ran).
+
 Every runtime access goes through ``NeuronRuntime``; tests pass a stand-in with its methods.
 """
 
@@ -50,6 +57,11 @@ NRT_TRN2_FAMILIES = frozenset({5, 6, 8, 9, 10, 11, 12, 13})
 #: the torch plugins that put tensors on the ``neuron`` device: torch-neuronx, and the
 #: ``libtorch_neuronx_lite`` that Neuron SDK 2.32 ships for trn2/trn3 instead of it
 TORCH_PLUGINS = ("torch_neuronx", "libtorch_neuronx_lite")
+#: why this backend does not stage (``KVBackend``'s optional ``staging_unsupported``)
+STAGING_UNSUPPORTED = (
+    "the neuron backend has no staging pool: packing on Trainium needs an on-device gather "
+    "that is designed but not built; see docs/neuron.md, 'Staged and layer-wise transfers on "
+    "Trainium'")
 
 
 class _InstanceInfo(ctypes.Structure):  # nrt_instance_info_t
@@ -191,6 +203,8 @@ class NeuronBackend:
     #: the thread cannot bound that wait; the transfer thread avoids it instead by never making
     #: the first call to a peer that has not been heard from (docs/neuron.md, "NIXL versions").
     nixl_progress_thread = False
+    #: no ``alloc_staging``: the worker logs this (and names it when a pool is configured)
+    staging_unsupported = STAGING_UNSUPPORTED
 
     def __init__(self, runtime: Any = None):
         self.runtime = runtime if runtime is not None else NeuronRuntime()

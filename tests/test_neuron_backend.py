@@ -22,6 +22,7 @@ import pytest
 from kv_push.common import geometry as G
 from kv_push.common.backend import BackendError
 from kv_push.common.config import PushConfig
+from kv_push.common.kv_tensors import describe_kv_caches
 from kv_push.common.messages import (
     PROTOCOL_VERSION,
     Codec,
@@ -34,9 +35,11 @@ from kv_push.common.messages import (
 from kv_push.common.metrics import Counters
 from kv_push.common.nixl_compat import check_peer_nixl, libfabric_waits_for_handshake
 from kv_push.common.transfer_thread import TransferThread
+from kv_push.common.worker import PushWorker
 from kv_push.neuron_push import backend as nb
 from kv_push.neuron_push import libfabric as lf
 from kv_push.neuron_push.backend import NeuronBackend, NeuronRuntime, core_slice
+from fakes import FakeTransport, Wire
 from neuron_standin import FakeNeuronRuntime
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -593,3 +596,44 @@ def test_one_extra_per_platform_pinned():
     readme = (ROOT / "README.md").read_text()
     assert "kv-push[neuron]" in readme and "kv-push[cuda]" in readme
     assert "pip.repos.neuron.amazonaws.com" in readme
+
+
+# -- the staged path: not on Neuron (docs/neuron.md, "Staged and layer-wise transfers") ---------
+
+DOC_SECTION = "docs/neuron.md, 'Staged and layer-wise transfers on Trainium'"
+
+
+def _neuron_worker(rt: FakeNeuronRuntime, **config) -> PushWorker:
+    backend = NeuronBackend(runtime=rt)
+    layers = [rt.empty((2, 8, 2, 4, 8)) for _ in range(2)]
+    geometry = describe_kv_caches(layers, backend=backend, num_kv_heads=2, head_size=8,
+                                  block_size=4, tp_size=1, tp_rank=0, dtype="bfloat16")
+    return PushWorker(geometry=geometry, role="both",
+                      config=PushConfig(side_channel_port=0, **config), backend=backend,
+                      transport_factory=lambda: FakeTransport(Wire(), "N")).start()
+
+
+def test_neuron_backend_does_not_stage_and_says_where_that_is_explained():
+    assert not hasattr(NeuronBackend, "alloc_staging")
+    assert DOC_SECTION in NeuronBackend.staging_unsupported
+    assert "Staged and layer-wise transfers on Trainium" in (ROOT / "docs/neuron.md").read_text()
+
+
+def test_default_config_on_neuron_logs_the_region_path_once(caplog):
+    with caplog.at_level(logging.INFO, logger="kv_push.common.worker"):
+        worker = _neuron_worker(runtime())
+    worker.close()
+    assert worker.staging == {}
+    told = [r.getMessage() for r in caplog.records if "staged transfers off" in r.getMessage()]
+    assert len(told) == 1 and DOC_SECTION in told[0], told
+
+
+def test_a_configured_pool_on_neuron_is_refused_with_the_doc_section():
+    with pytest.raises(BackendError, match="Staged and layer-wise transfers on Trainium"):
+        _neuron_worker(runtime(), decoder_staging_bytes=1 << 20)
+
+
+def test_staged_off_on_neuron_says_nothing(caplog):
+    with caplog.at_level(logging.INFO, logger="kv_push.common.worker"):
+        _neuron_worker(runtime(), staged="off").close()
+    assert "staged transfers off" not in caplog.text
