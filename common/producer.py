@@ -148,9 +148,11 @@ class _Job:
     ack_cancel: bool = False  # a Cancel waits for the chunks in flight
     error: str = ""
     staged: Any = None  # a staged.StagedSend: chunk i is posted once packed
-    #: nothing in flight, and the next chunk's layers are not all saved yet (a layer-wise
-    #: stream): the transfer thread need not spin for it, the engine's next call wakes it
-    awaits_layers: bool = False
+    #: a layer-wise stream's job with nothing in flight, waiting for its next chunk: "layers"
+    #: (not all saved yet: the engine's next call wakes the thread) or "packs" (all enqueued,
+    #: still running on the device, possibly behind the rest of the prefill: the thread polls
+    #: every ``await_poll_s`` rather than spinning through the prefill); "" otherwise
+    waits: str = ""
 
     @property
     def reg(self) -> Registration:
@@ -608,18 +610,21 @@ class Producer:
         if job.staged is not None and job.staged.error and not job.error:
             job.error = job.staged.error  # a pack failed: nothing more is posted
         if "PROC" in states or job.posting:
-            job.awaits_layers = "PROC" not in states and self._awaits_layers(job)
+            job.waits = "" if "PROC" in states else self._stream_waits(job)
             return  # in flight, or more to post: no answer and no release yet
         if job.staged is not None and not self.staged.idle(job.staged):
             return  # a pack still reads the source blocks and writes the staging room
         self._end_job(jkey, states.count("DONE"))
 
-    def _awaits_layers(self, job: _Job) -> bool:
+    def _stream_waits(self, job: _Job) -> str:
+        """What a layer-wise job with nothing in flight waits for (``_Job.waits``)."""
         send = job.staged
         if send is None or send.stream is None or not job.posting:
-            return False
-        return any(layer not in send.stream.packs
-                   for layer in send.chunks[len(job.handles)].layers)
+            return ""
+        layers = send.chunks[len(job.handles)].layers
+        if any(layer not in send.stream.packs for layer in layers):
+            return "layers"
+        return "packs"
 
     def _packed(self, job: _Job) -> bool:
         """Whether ``job``'s next chunk may be posted (staged: its pack completed)."""
@@ -750,7 +755,12 @@ class Producer:
                 g.token_order, g.block_size, g.tp_size)
 
     def busy(self) -> bool:
-        return any(not job.awaits_layers for job in self.jobs.values()) or bool(self._ending)
+        return any(not job.waits for job in self.jobs.values()) or bool(self._ending)
+
+    def awaiting(self) -> bool:
+        """A layer-wise job waits for packs enqueued behind the prefill: poll every
+        ``await_poll_s``."""
+        return any(job.waits == "packs" for job in self.jobs.values())
 
     def writing_to(self, agent_name: str) -> bool:
         return any(job.handles and job.reg.peer == agent_name for job in self.jobs.values())

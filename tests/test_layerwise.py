@@ -91,7 +91,7 @@ def test_no_chunk_is_posted_before_its_packs_completed():
     layer(w, 1)
     w.settle()
     assert w.writes() == []
-    assert not w.producers[0].busy() or w.p_ops[0].busy()  # spins only for device work
+    assert not w.producers[0].busy() and w.producers[0].awaiting()  # polls, no spin
     w.p_ops[0].of("pack")[0].done = True
     w.settle()
     assert w.writes() == []  # layer 1 still packing
@@ -110,9 +110,10 @@ def test_the_transfer_thread_does_not_spin_while_waiting_for_layers():
     w.settle()
     assert len(w.writes()) == 1
     assert w.producers[0].live()["jobs"] == 1 and not w.producers[0].busy()
+    assert not w.producers[0].awaiting()  # the engine's next call wakes it
     layer(w, 2)
     w.p_nodes[0].step()  # the call wakes it; layers 2-3 are not all saved yet
-    assert not w.producers[0].busy()
+    assert not w.producers[0].busy() and not w.producers[0].awaiting()
 
 
 def test_registration_after_the_layers_were_packed_writes_at_once():
