@@ -236,14 +236,11 @@ class Producer:
         if key in self.streams:
             self._complete_stream(key, ready)
             return
-        source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
-                        max(1, int(capacity)))
-        try:
-            pairings = self.rdv.add_source(source)
-        except StaleEvent as e:
-            self.ctx.counters.reject("stale", str(e), context="prefill")
+        added = self._add_source(key, transfer_id, block_ids, num_tokens, prompt_digest,
+                                 capacity)
+        if added is None:
             return
-        self.sources[key] = source
+        source, pairings = added
         if self.staged is not None:
             self.staged.note_ready(key, ready)
         for pairing in pairings:
@@ -252,6 +249,19 @@ class Producer:
             self._close(source.rdv_key)
             return
         self._settle(source.rdv_key)
+
+    def _add_source(self, key, transfer_id, block_ids, num_tokens, prompt_digest, capacity
+                    ) -> tuple[Source, list[Pairing]] | None:
+        """``key``'s prefill as a rendezvous source (None: reported twice, counted)."""
+        source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
+                        max(1, int(capacity)))
+        try:
+            pairings = self.rdv.add_source(source)
+        except StaleEvent as e:
+            self.ctx.counters.reject("stale", str(e), context="prefill")
+            return None
+        self.sources[key] = source
+        return source, pairings
 
     # -- layer-wise streaming (see the module doc) -----------------------------------------------
     def prefill_started(self, key: str, transfer_id: str, block_ids: tuple[int, ...],
@@ -265,16 +275,13 @@ class Producer:
         stream = self.staged.begin_stream(key, block_ids, num_tokens)
         if stream is None:
             return
-        source = Source(key, transfer_id, tuple(block_ids), num_tokens, prompt_digest,
-                        max(1, int(capacity)))
-        try:
-            pairings = self.rdv.add_source(source)
-        except StaleEvent as e:
+        added = self._add_source(key, transfer_id, block_ids, num_tokens, prompt_digest,
+                                 capacity)
+        if added is None:
             self.staged.end_stream(stream)
-            self.ctx.counters.reject("stale", str(e), context="prefill")
             return
+        pairings = added[1]
         self.streams[key] = stream
-        self.sources[key] = source
         self._step_streams.append(key)
         self.ctx.counters.inc("layerwise_streams")
         if timing.ENABLED:

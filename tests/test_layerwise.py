@@ -37,6 +37,14 @@ def step_end(w: World):
         node.thread.submit(lambda prod=prod, m=marker: prod.step_saved(m))
 
 
+def whole_step(w: World, layers=range(4)):
+    """The step's layers reported one by one, then its end; the workers settle."""
+    for i in layers:
+        layer(w, i)
+    step_end(w)
+    w.settle()
+
+
 def failed(w: World, key=KEY, tid=TID, reason="aborted"):
     for node, prod in zip(w.p_nodes, w.producers):
         node.thread.submit(lambda prod=prod: prod.prefill_failed(tid, reason, key=key))
@@ -119,10 +127,7 @@ def test_the_transfer_thread_does_not_spin_while_waiting_for_layers():
 def test_registration_after_the_layers_were_packed_writes_at_once():
     w = World()
     start(w)
-    for i in range(4):
-        layer(w, i)
-    step_end(w)
-    w.settle()
+    whole_step(w)
     assert w.writes() == [] and w.released == []
     w.expect()
     w.settle()
@@ -187,10 +192,7 @@ def test_a_decoder_with_a_prefix_waits_for_the_complete_prefill():
     w.expect(blocks=(3,), first_token=4)
     w.settle()
     start(w)
-    for i in range(4):
-        layer(w, i)
-    step_end(w)
-    w.settle()
+    whole_step(w)
     assert w.writes() == [] and w.outcomes() == []
     assert count(w.p_nodes[0], "layerwise_fallback", "layout") == 1
     w.prefill()
@@ -206,10 +208,7 @@ def test_a_decoder_without_staging_gets_regions_after_the_prefill():
     w.expect()
     w.settle()
     start(w)
-    for i in range(4):
-        layer(w, i)
-    step_end(w)
-    w.settle()
+    whole_step(w)
     assert w.writes() == []  # the region path reads the blocks: only once the prefill is done
     w.prefill()
     w.settle()
@@ -236,10 +235,7 @@ def test_no_room_for_the_stream_takes_the_post_prefill_path():
     w.expect()
     w.settle()
     start(w)
-    for i in range(4):
-        layer(w, i)
-    step_end(w)
-    w.settle()
+    whole_step(w)
     assert w.writes() == [] and count(w.p_nodes[0], "layerwise_fallback", "producer_pool") == 1
     w.prefill()
     w.settle()
@@ -257,10 +253,7 @@ def test_an_aborted_streamed_prefill_keeps_what_was_written_and_fails_the_rest()
     w.settle()
     start(w, capacity=3)
     w.p_ops[0].hold = True
-    for i in range(4):
-        layer(w, i)
-    step_end(w)
-    w.settle()
+    whole_step(w)
     packs = w.p_ops[0].of("pack")
     for p in packs[:2]:
         p.done = True  # chunk 0's layers
@@ -365,10 +358,7 @@ def test_decoder_tp2_from_producer_tp1_waits_for_the_complete_prefill():
     w.expect()
     w.settle()
     start(w)
-    for i in range(4):
-        layer(w, i)
-    step_end(w)
-    w.settle()
+    whole_step(w)
     assert w.writes() == []
     assert count(w.p_nodes[0], "layerwise_fallback", "layout") == 2
     w.prefill()
