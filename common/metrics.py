@@ -35,6 +35,9 @@ COUNTERS = {
     "layerwise_streams": "prefills this producer worker packed layer by layer while their step ran",
     "layerwise_transfers": "staged transfers written from a layer-wise stream (no pack after the "
                            "prefill)",
+    "layerwise_evicted": "layer-wise streams whose room was given back to make room for a new "
+                         "one (prefill complete, nothing reading it; later decoder requests "
+                         "take the post-prefill path)",
     "layerwise_fallback": "layer-wise streaming not used, by reason: producer_pool (no room for "
                           "the stream), layout (a registration wanting other bytes: other "
                           "heads, a prefix, no slot; it waited for the complete prefill), error",

@@ -272,7 +272,8 @@ class Producer:
         if (self.staged is None or key in self.sources or key in self._ending
                 or transfer_id in self.released_tids):
             return
-        stream = self.staged.begin_stream(key, block_ids, num_tokens)
+        stream = self.staged.begin_stream(key, block_ids, num_tokens,
+                                          make_room=self._evict_streams)
         if stream is None:
             return
         added = self._add_source(key, transfer_id, block_ids, num_tokens, prompt_digest,
@@ -305,6 +306,26 @@ class Producer:
             stream = self.streams.get(key)
             if stream is not None:
                 self.staged.pack_rest(stream, marker)
+
+    def _evict_streams(self, nbytes: int) -> bool:
+        """P's pool is full: give back the rooms of streams no one needs now -- prefill
+        complete, no WRITE reads them, no pack runs -- oldest first, until ``nbytes`` could
+        fit. Their sources stay; a decoder request that comes later takes the post-prefill path
+        (packed again from the blocks). Returns whether any room was freed."""
+        freed = 0
+        for key in list(self.streams):
+            if freed >= nbytes:
+                break
+            stream = self.streams[key]
+            if (key not in self._completed or key in self._failed_streams
+                    or key in self.readers or not self.staged.stream_idle(stream)):
+                continue
+            del self.streams[key]
+            self._completed.discard(key)
+            self.staged.end_stream(stream)
+            self.ctx.counters.inc("layerwise_evicted")
+            freed += stream.length
+        return freed > 0
 
     def _in_progress(self, key: str) -> bool:
         """``key`` is a stream source whose prefill is not complete yet."""

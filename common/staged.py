@@ -409,10 +409,12 @@ class StagedSender:
         return out
 
     # -- layer-wise streams --------------------------------------------------------------------
-    def begin_stream(self, key: str, block_ids, num_tokens: int) -> Stream | None:
+    def begin_stream(self, key: str, block_ids, num_tokens: int,
+                     make_room: Any = None) -> Stream | None:
         """Reserve room for ``key``'s whole local sub-slice and prepare its gather plan; None
         (counted in ``layerwise_fallback{reason}``) when that cannot be done -- the prefill
-        then takes the post-prefill path."""
+        then takes the post-prefill path. ``make_room(nbytes)``: called once when the pool is
+        full; returns whether it freed anything (then the reservation is tried again)."""
         g = self.ctx.geometry
         try:
             plan = gather_plan(g, block_ids, first_token=0, num_tokens=num_tokens,
@@ -424,6 +426,8 @@ class StagedSender:
         if plan.total_bytes == 0:
             return None
         got = self.pool.reserve(plan.total_bytes)
+        if got is None and make_room is not None and make_room(plan.total_bytes):
+            got = self.pool.reserve(plan.total_bytes)
         if got is None:
             self.ctx.counters.inc("layerwise_fallback", label="producer_pool")
             return None

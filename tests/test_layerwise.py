@@ -525,3 +525,46 @@ def test_a_held_abort_names_its_request_to_the_producer():
                                        PrefillAborted("p2", "t2", "dg2", 1)]))
     keys = [dict(c[3:]).get("key") for c in stub.calls if c[0] == "prefill_failed"]
     assert keys == ["p1", None]
+
+
+def test_a_full_pool_evicts_complete_unclaimed_streams_for_a_new_one():
+    """P's pool holds one stream (2 KiB of 4 KiB aligned): a second prefill takes the room of
+    the first, complete and unclaimed; the first's decoder, registering later, is packed again
+    from the blocks (post-prefill path)."""
+    w = World(p_pool=4096)
+    start(w, key="p-1", tid="t1", blocks=(0, 1))
+    whole_step(w)
+    w.prefill(key="p-1", tid="t1", blocks=(0, 1))
+    w.settle()
+    start(w, key="p-2", tid="t2", blocks=(2, 3))
+    w.settle()
+    p = w.p_nodes[0]
+    assert count(p, "layerwise_evicted") == 1 and count(p, "layerwise_streams") == 2
+    assert count(p, "layerwise_fallback", "producer_pool") == 0
+    whole_step(w)
+    w.prefill(key="p-2", tid="t2", blocks=(2, 3))
+    w.expect(key="d-2", tid="t2", blocks=(6, 7))
+    w.settle()
+    assert w.outcomes() == [Outcome("d-2", "received")]
+    w.expect(key="d-1", tid="t1", blocks=(4, 5))
+    w.settle()
+    assert w.outcomes() == [Outcome("d-1", "received")]
+    assert count(p, "layerwise_transfers") == 1 and count(p, "staged_transfers") == 2
+    assert sorted(w.released) == ["p-1", "p-2"] and w.idle() and w.p_pool().used_bytes == 0
+
+
+def test_a_stream_being_written_is_never_evicted():
+    w = World(p_pool=4096)
+    w.p_nodes[0].transport.hold_writes = True
+    w.expect()
+    w.settle()
+    start(w)
+    whole_step(w)
+    w.prefill()
+    w.settle()
+    assert w.producers[0].live()["jobs"] == 1
+    start(w, key="p-2", tid="t2", blocks=(2, 3))
+    w.settle()
+    p = w.p_nodes[0]
+    assert count(p, "layerwise_evicted") == 0
+    assert count(p, "layerwise_fallback", "producer_pool") == 1
