@@ -1,0 +1,351 @@
+#!/usr/bin/env python
+"""Layer-wise streaming behind a synthetic prefill on one GPU: two processes, the real PushWorker.
+
+P runs a stand-in prefill of Qwen3-32B-shaped layers on its own main thread (the "engine
+thread"): per layer real bf16 matmuls (fused QKV projection, output projection, the gated MLP)
+with random weights (one set shared by all layers: the same work per layer, less memory) and a
+real causal attention (``scaled_dot_product_attention``, K/V heads repeated for GQA), then it
+writes that layer's K and V into its vLLM-shaped cache blocks (per layer
+``(2, num_blocks, block_size, kv_heads, head_size)``, fragmented block ids). The values written
+are the verification pattern of ``torch_pool.TensorPattern`` (the computed K/V values overflow
+and could not be checked), precomputed before the timed run, so every mode writes the same bytes
+with one indexed copy per layer and K/V. P's blocks are zeroed before each prefill, so a pack
+taken before its layer was written would carry zeros to D.
+
+Modes, interleaved with the order rotating, on one pair of processes:
+
+* ``none``      -- the prefill alone: no transfer (the reference for the slowdown);
+* ``layerwise`` -- ``prefill_started`` before the first layer, ``layer_saved`` after each layer's
+                   KV writes (an event; the transfer thread packs that layer on its side stream
+                   and WRITEs each chunk once its layers are packed), ``step_saved`` after the
+                   last; D registered before the prefill began;
+* ``staged``    -- the post-prefill staged path (today's): ``prefill_done`` after the prefill.
+
+Per prefill: ``prefill_ms`` (CUDA events around the layers, on the engine's stream), ``t_end``
+(``time.monotonic()`` when the engine thread's sync on the last layer's event returned: what vLLM
+does before it samples), D's ``received`` time (its outcome collector, ``time.monotonic()``: one
+clock for every process on Linux). ``tail_ms`` = received - t_end: what is left of the transfer
+after the prefill. ``group_ms``: one chunk's share of the staged path's tail (its tail divided by
+its chunks; the chunks pipeline, so one group alone takes longer -- the goal "tail <= 1.5x one
+group" is judged against this smaller number). ``late`` runs layer-wise with D registering only
+after ``prefill_done``: its ``tail_ms`` is then D's registration call -> received. Every transfer
+is verified on D's GPU (the pattern in the target tokens, D's canary everywhere else).
+
+On an H200 (docs/gpu.md has the set-up):
+
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y python3 benchmarks/bench_layerwise_gpu.py --budget-s 300
+
+CPU smoke (host tensors, torch CPU ops, a 4-layer toy model):
+
+    python benchmarks/bench_layerwise_gpu.py --device cpu --layers 4 --hidden 256 \\
+        --q-heads 4 --kv-heads 2 --head-size 64 --intermediate 512 --tokens 512 --reps 2
+
+Writes ``benchmarks/results/gpu_layerwise.{json,md,meta.json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))  # spawned children import this module
+
+from bench_staged_gpu import StagedBenchPeer  # noqa: E402
+from bench_transfer_gpu import Pair, _versions, log, pool_blocks  # noqa: E402
+from kv_push.common.testing.block_ids import fragmented_blocks  # noqa: E402
+from kv_push.common.testing.peer_process import PeerError  # noqa: E402
+
+SERVER = "bench_layerwise_gpu:LayerwisePeer"
+MODES = ("none", "layerwise", "staged")
+
+
+class LayerwisePeer(StagedBenchPeer):
+    """``StagedBenchPeer`` plus the synthetic prefill (P's commands ``prepare_prefill`` and
+    ``prefill``), run on the child's main thread: the engine thread of this stand-in."""
+
+    def prepare_prefill(self, tokens: int, block_ids, seed: int, hidden: int, q_heads: int,
+                        intermediate: int) -> dict:
+        """Weights, activations' input and the per-layer pattern values for ``tokens``."""
+        mem = self.memory
+        torch = mem.torch
+        g = mem.geometry
+        dev, dt = mem.device, torch.bfloat16
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        d, kvh = g.head_size, g.local_heads
+
+        def w(*shape):
+            return (torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32)
+                    / shape[0] ** 0.5).to(dt)
+
+        self._w = {"qkv": w(hidden, (q_heads + 2 * kvh) * d), "o": w(q_heads * d, hidden),
+                   "gu": w(hidden, 2 * intermediate), "down": w(intermediate, hidden)}
+        self._x0 = torch.randn(tokens, hidden, generator=gen, device=dev,
+                               dtype=torch.float32).to(dt) * 0.1
+        self._shape = (tokens, q_heads, kvh, d)
+        nb = -(-tokens // g.block_size)
+        self._ids = mem._ids(list(block_ids)[:nb])
+        self._nb = nb
+        self._vals = [[mem.pattern.values(seed, layer, kv, 0, nb * g.block_size)
+                       .view(nb, g.block_size, kvh, d) for kv in range(g.kv_parts)]
+                      for layer in range(g.num_layers)]
+        mem._sync()
+        return {"pattern_bytes": sum(v.numel() * 2 for lv in self._vals for v in lv)}
+
+    def _layer(self, x, layer: int):
+        torch = self.memory.torch
+        F = torch.nn.functional
+        w = self._w
+        t, hq, hk, d = self._shape
+        qkv = x @ w["qkv"]
+        q = qkv[:, : hq * d].view(t, hq, d).transpose(0, 1)
+        k = qkv[:, hq * d: (hq + hk) * d].view(t, hk, d).transpose(0, 1)
+        v = qkv[:, (hq + hk) * d:].view(t, hk, d).transpose(0, 1)
+        rep = hq // hk
+        a = F.scaled_dot_product_attention(q.unsqueeze(0), k.repeat_interleave(rep, 0)
+                                           .unsqueeze(0), v.repeat_interleave(rep, 0)
+                                           .unsqueeze(0), is_causal=True)
+        x = x + a.squeeze(0).transpose(0, 1).reshape(t, hq * d) @ w["o"]
+        # the layer's KV into its cache blocks (the pattern: computed values overflow)
+        for kv in range(len(self._vals[layer])):
+            self.memory._part(layer, kv)[self._ids] = self._vals[layer][kv]
+        gu = x @ w["gu"]
+        g_, u = gu.chunk(2, dim=-1)
+        return x + (F.silu(g_) * u) @ w["down"]
+
+    def zero_blocks_of_prefill(self) -> None:
+        mem = self.memory
+        for layer in range(mem.geometry.num_layers):
+            for kv in range(mem.geometry.kv_parts):
+                mem._part(layer, kv)[self._ids] = 0
+        mem._sync()
+
+    def prefill(self, key: str, tid: str, block_ids, tokens: int, mode: str) -> dict:
+        """The synthetic prefill; ``mode`` as in the module doc. Returns its timings."""
+        mem = self.memory
+        torch = mem.torch
+        cuda = mem.device.type == "cuda"
+        w = self.worker
+        ids = list(block_ids)
+        layers = mem.geometry.num_layers
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.monotonic()
+        if mode == "layerwise":
+            w.prefill_started(key, tid, ids, tokens)
+        x = self._x0
+        with torch.no_grad():
+            for layer in range(layers):
+                x = self._layer(x, layer)
+                if mode == "layerwise":
+                    w.layer_saved(layer)
+        if mode == "layerwise":
+            w.step_saved()
+        if cuda:
+            end.record()
+            end.synchronize()
+        t_end = time.monotonic()
+        out = {"t_end": t_end, "prefill_ms": start.elapsed_time(end) if cuda
+               else (t_end - t0) * 1e3}
+        if mode in ("layerwise", "staged", "late"):
+            w.prefill_done(key, tid, ids, tokens)
+        return out
+
+
+def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
+    g = pair.pgeo
+    n = -(-tokens // g.block_size)
+    pblocks = fragmented_blocks(rng, pair.p_blocks, n)
+    dblocks = fragmented_blocks(rng, pair.d_blocks, -(-tokens // pair.dgeo.block_size))
+    seed = int(rng.integers(1 << 20))
+    pair.P.call("prepare_prefill", tokens, pblocks, seed, args.hidden, args.q_heads,
+                args.intermediate, timeout=600)
+    modes = list(args.mode_list) + (["late"] if args.late else [])
+    samples: dict[str, list[dict]] = {m: [] for m in modes}
+    bad: dict[str, list[str]] = {m: [] for m in modes}
+    for r in range(args.reps + 1):  # repetition 0 warms up (verified, not counted)
+        k = r % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            pair.seq += 1
+            key, tid = f"lw-{pair.seq}", f"lw-xfer-{pair.seq}"
+            pair.P.call("zero_blocks_of_prefill", timeout=120)
+            moves = mode != "none"
+            if moves:
+                pair.D.call("canary", timeout=120)
+            p0, d0 = pair.P.call("counters"), pair.D.call("counters")
+            if mode in ("layerwise", "staged"):  # D registered before the prefill began
+                pair.D.call("expect_at", key, tid, 0, pair.address, dblocks, 0, tokens)
+                pair.early += 1
+                deadline = time.monotonic() + 30
+                while pair.P.call("counters").get("registrations_early", 0) < pair.early:
+                    if time.monotonic() > deadline:
+                        raise PeerError("registration never reached P")
+                    time.sleep(0.001)
+            res = pair.P.call("prefill", key, tid, pblocks, tokens,
+                              "layerwise" if mode == "late" else mode, timeout=600)
+            t_ref = res["t_end"]
+            if mode == "late":
+                t_ref = pair.D.call("expect_at", key, tid, 0, pair.address, dblocks, 0, tokens)
+            sample = {"prefill_ms": res["prefill_ms"]}
+            if moves:
+                got = pair.D.call("outcome_at", key, 60.0, timeout=90)
+                if got is None or got[0] != "received":
+                    bad[mode].append(f"outcome {got}")
+                    continue
+                if pair.P.call("wait_released", [key], 30.0) != [key]:
+                    bad[mode].append("P kept its blocks")
+                v = pair.D.call("verify", seed, tokens, dblocks, 0, timeout=300)
+                if v["mismatch"] or v["canary"]:
+                    bad[mode].append(f"verify {v}")
+                p1, d1 = pair.P.call("counters"), pair.D.call("counters")
+                dp = {k_: p1.get(k_, 0) - p0.get(k_, 0) for k_ in p1}
+                dd = {k_: d1.get(k_, 0) - d0.get(k_, 0) for k_ in d1}
+                want_lw = 1 if mode in ("layerwise", "late") else 0
+                if dp.get("layerwise_transfers", 0) != want_lw or dd.get("staged_transfers") != 1:
+                    bad[mode].append(f"path: P {dp.get('layerwise_transfers', 0)} layer-wise, "
+                                     f"D {dd.get('staged_transfers')} staged")
+                sample.update(tail_ms=(got[2] - t_ref) * 1e3, chunks=int(dd.get("staged_chunks", 0)),
+                              descriptors=int(dp.get("regions_written", 0)))
+            if r > 0:
+                samples[mode].append(sample)
+        log(f"  {tokens} tok rep {r}: " + ", ".join(
+            f"{m} {samples[m][-1]['prefill_ms']:.1f}/{samples[m][-1].get('tail_ms', 0):.2f} ms"
+            for m in modes if samples[m] and r > 0))
+    out = []
+    base = statistics.median(s["prefill_ms"] for s in samples["none"]) if samples.get("none") \
+        else None
+    staged = samples.get("staged") or []
+    group = (statistics.median(s["tail_ms"] / max(1, s["chunks"]) for s in staged)
+             if staged else None)
+    for mode in modes:
+        ss = samples[mode]
+        if not ss:
+            out.append({"tokens": tokens, "mode": mode, "verified": False, "errors": bad[mode]})
+            continue
+        pm = statistics.median(s["prefill_ms"] for s in ss)
+        row = {"tokens": tokens, "block_size": g.block_size, "tp": 1, "mode": mode,
+               "layers": g.num_layers, "prefill_ms_median": round(pm, 3),
+               "prefill_slowdown": round(pm / base - 1, 4) if base else None,
+               "verified": not bad[mode], "errors": bad[mode][:3], "reps": len(ss)}
+        if "tail_ms" in ss[0]:
+            tails = [s["tail_ms"] for s in ss]
+            row.update(tail_ms_median=round(statistics.median(tails), 3),
+                       tail_ms_min=round(min(tails), 3), tail_ms_max=round(max(tails), 3),
+                       chunks=ss[0]["chunks"], descriptors=ss[0]["descriptors"])
+            if group:
+                row["group_ms"] = round(group, 3)
+                row["tail_over_group"] = round(statistics.median(tails) / group, 2)
+        out.append(row)
+    return out
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tokens", default="16384,4096")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=64)
+    ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--intermediate", type=int, default=25600)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--no-late", dest="late", action="store_false",
+                    help="skip the layer-wise run with D registering after the prefill")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk-mib", type=int, default=512, help="staging_chunk_bytes (D decides)")
+    ap.add_argument("--alloc", default="per_layer", choices=("per_layer", "pool"))
+    ap.add_argument("--slack", type=float, default=1.25)
+    ap.add_argument("--heartbeat-s", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting cases after this")
+    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--name", default="gpu_layerwise")
+    args = ap.parse_args(argv)
+    args.tokens_list = [int(t) for t in args.tokens.split(",") if t]
+    args.mode_list = [m for m in args.modes.split(",") if m]
+    if "none" not in args.mode_list:
+        args.mode_list.insert(0, "none")
+    return args
+
+
+def write_md(path: Path, rows: list[dict], meta: dict) -> None:
+    lines = [f"# Layer-wise streaming behind a synthetic prefill ({meta['gpu']})", "",
+             f"{meta['when']}; `{meta['command']}`", "",
+             "| tokens | mode | prefill ms (median) | slowdown vs none | tail ms (median, min-max) "
+             "| chunks | group ms | tail / group | verified |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        tail = (f"{r['tail_ms_median']:.2f} ({r['tail_ms_min']:.2f}-{r['tail_ms_max']:.2f})"
+                if "tail_ms_median" in r else "-")
+        sd = r.get("prefill_slowdown")
+        lines.append(
+            f"| {r['tokens']} | {r['mode']} | {r.get('prefill_ms_median', '-')} | "
+            f"{'-' if sd is None else f'{sd * 100:+.2f}%'} | {tail} | {r.get('chunks', '-')} | "
+            f"{r.get('group_ms', '-')} | {r.get('tail_over_group', '-')} | {r['verified']} |")
+    lines += ["", "tail: layer-wise/staged = engine's sync on the last layer -> D received "
+              "(unpack included); late = D's registration call -> received. group: the staged "
+              "tail / its chunks.", ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    rng = np.random.default_rng(args.seed)
+    t_start = time.monotonic()
+    per_tok = args.layers * 2 * args.kv_heads * args.head_size * 2
+    biggest = max(args.tokens_list) * per_tok
+    pool = int(biggest * 1.05) + (64 << 20)
+    cfg = {"producer_staging_bytes": pool, "decoder_staging_bytes": pool,
+           "staging_chunk_bytes": args.chunk_mib << 20}
+    blocks = pool_blocks(max(args.tokens_list), args.block_size, args.slack)
+    args.device = args.device
+    pair = Pair(args, args.block_size, blocks, config=cfg, server=SERVER)
+    pair.p_blocks = pair.d_blocks = blocks
+    rows: list[dict] = []
+    skipped: list[str] = []
+    try:
+        for tokens in args.tokens_list:
+            if args.budget_s and time.monotonic() - t_start > args.budget_s:
+                skipped.append(f"{tokens} tokens: budget")
+                continue
+            log(f"case {tokens} tokens, block {args.block_size}, {args.layers} layers")
+            try:
+                rows += run_case(pair, tokens, rng, args)
+            except PeerError as e:
+                skipped.append(f"{tokens} tokens: {str(e).strip().splitlines()[-1]}")
+                log(f"  failed: {e}")
+    finally:
+        info = pair.info
+        pair.close()
+    meta = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join(["python3", "benchmarks/bench_layerwise_gpu.py",
+                                 *(argv if argv is not None else sys.argv[1:])]),
+            "gpu": info.get("gpu", info.get("device")), "info": info, "versions": _versions(),
+            "python": platform.python_version(), "args": {k: v for k, v in vars(args).items()},
+            "staging_bytes": pool, "skipped": skipped,
+            "seconds": round(time.monotonic() - t_start, 1)}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{args.name}.meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    write_md(out / f"{args.name}.md", rows, meta)
+    log((out / f"{args.name}.md").read_text())
+    return 0 if rows and all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
