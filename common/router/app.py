@@ -476,6 +476,8 @@ class Router:
                 if resp.status_code >= 400:
                     raise self.failure(ex, "prefill", url, resp)
                 if body.get("stream"):  # one token, streamed: its events (first_token.py)
+                    if timing.ENABLED:
+                        timing.stamp("router_p_done", ex.tid)
                     return {"sse": resp.content}
                 data = resp.json()
                 if not isinstance(data, dict):
