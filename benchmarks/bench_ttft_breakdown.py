@@ -18,11 +18,8 @@ single server stays up), their systems side by side so that load drift weighs on
 * ``poll``: one P (``auto``), D polling every 0.2 ms while it awaits a WRITE
   (``await_poll_s`` default) against every 1 ms (``await_poll_s=0.001``: as before it existed);
 * ``first``: one P and one D behind two routers, the client's first token taken from P's leg
-  (the router's ``--first-token-from-prefill auto``, its default for these greedy streams)
-  against from D's stream (``off``: as before it existed).
-
-Since the ``first`` change, the other groups' routers take the first token from P too
-(``--first-token-from-prefill auto`` is the default); results from before it measured D's.
+  (the router's ``--first-token-from-prefill auto``) against from D's stream (``off``, the
+  router's default).
 
 Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push request
 (``common/timing.py`` lists them) are matched to it by the router's ``router_in`` stamp inside
@@ -68,12 +65,12 @@ GROUPS = {
               "d": {"d": {}},
               "systems": {"push early=auto": ("p-early-auto", "d"),
                           "push early=off": ("p-early-off", "d")}},
-    # one P and one D behind two routers: the client's first token from P (the router's
-    # default for greedy streams) against from D (--first-token-from-prefill off)
+    # one P and one D behind two routers: the client's first token from P
+    # (--first-token-from-prefill auto) against from D (off, the router's default)
     "first": {"p": {"p": {}}, "d": {"d": {}},
               "systems": {"push first-token=prefill": ("p", "d"),
                           "push first-token=decode": ("p", "d")},
-              "router_args": {"push first-token=decode": ["--first-token-from-prefill", "off"]}},
+              "router_args": {"push first-token=prefill": ["--first-token-from-prefill", "auto"]}},
     "poll": {"p": {"p": {"early_prefill_done": "auto"}},
              "d": {"d-await-0.2ms": {}, "d-await-1ms": {"await_poll_s": 0.001}},
              "systems": {"push await_poll_s=0.0002": ("p", "d-await-0.2ms"),

@@ -82,8 +82,9 @@ def stack(request, tiny_model, prompts, tmp_path_factory, figures):
     try:
         p.wait_healthy()
         d.wait_healthy()
+        # the first token of greedy streams from P (opt-in): test_streaming_and_chat checks it
         r = router(python=python, port=free_port(), prefill=[(p.url, kv_port)], decode=[d.url],
-                   log_dir=logs)
+                   log_dir=logs, extra_args=["--first-token-from-prefill", "auto"])
         servers.append(r)
         r.wait_healthy(60)
         _complete(r.url, prompts[2])  # warm-up: first forward passes and the handshake

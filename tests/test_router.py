@@ -106,7 +106,8 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: bool = False,
                   prefill_opts: str = "", p_tp: int = 1, side_channels: bool = True,
-                  release_timeout: float = 5.0) -> AsyncIterator[Cluster]:
+                  release_timeout: float = 5.0, first_token: str = "off"
+                  ) -> AsyncIterator[Cluster]:
     """Fake P/D servers plus a router in front of them, all on loopback ports; with
     ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder."""
     prefills = [FakeVLLM(f"p{i}", "prefill", kv_port=KV_BASE_PORT + i) for i in range(n_p)]
@@ -119,7 +120,8 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
     config = RouterConfig(
         prefill=tuple(parse_prefill_spec(f"{url},kv=127.0.0.1:{KV_BASE_PORT + i}{prefill_opts}")
                       for i, (_, url) in enumerate(p_socks)),
-        decode=tuple(d_urls), mode=mode, timeout=10.0, release_timeout=release_timeout)
+        decode=tuple(d_urls), mode=mode, timeout=10.0, release_timeout=release_timeout,
+        first_token_from_prefill=first_token)
     app = build_app(config)
     r_sock, r_url = bind()
     apps = [(f.app, sock) for f, (sock, _) in zip(prefills + decodes, p_socks + d_socks)]

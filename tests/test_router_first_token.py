@@ -55,7 +55,7 @@ async def metric(c, path: str, reason: str | None = None) -> float:
 async def test_the_first_token_comes_from_p_and_the_rest_from_d(endpoint, base, chat):
     body = dict(base, **GREEDY)
     body.pop("max_completion_tokens", None)
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         (p,), (d,) = c.prefills, c.decodes
         d.behavior.delay = 0.6  # D's first token comes long after P's
@@ -87,7 +87,7 @@ async def test_the_first_token_comes_from_p_and_the_rest_from_d(endpoint, base, 
 async def test_usage_and_max_tokens_1_as_a_single_server_streams():
     body = dict(COMPLETION, **GREEDY)
     body.update(max_tokens=1, stream_options={"include_usage": True})
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         status, data, _ = await post(c, "/v1/completions", body)
         evs = events(data)
@@ -113,7 +113,7 @@ async def test_usage_and_max_tokens_1_as_a_single_server_streams():
 ])
 async def test_requests_that_do_not_qualify_take_the_decode_stream(change, reason):
     body = {k: v for k, v in {**COMPLETION, **GREEDY, **change}.items() if v is not None}
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         c.decodes[0].behavior.delay = 0.2  # P answers first
         status, data, _ = await post(c, "/v1/completions", body)
@@ -138,10 +138,8 @@ def test_eligibility_rules():
                       chat=True) == "structured"
 
 
-async def test_off_never_takes_it_from_p():
+async def test_off_the_default_never_takes_it_from_p():
     async with cluster() as c:
-        c.router.config = type(c.router.config)(**{**c.router.config.__dict__,
-                                                   "first_token_from_prefill": "off"})
         same_tokens(c)
         status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
         assert status == 200 and data == c.decodes[0].records[0].sent
@@ -149,7 +147,7 @@ async def test_off_never_takes_it_from_p():
 
 
 async def test_a_mismatch_ends_the_stream_with_an_error_and_is_counted():
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         c.decodes[0].behavior.tokens = ["Howdy"] + TOKENS[1:]
         c.decodes[0].behavior.delay = 0.3  # P answers first
@@ -162,7 +160,7 @@ async def test_a_mismatch_ends_the_stream_with_an_error_and_is_counted():
 
 
 async def test_decode_failing_after_the_first_token_ends_with_an_error_event():
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         c.decodes[0].behavior.fail_status = 500
         c.decodes[0].behavior.delay = 0.2
@@ -177,7 +175,7 @@ async def test_decode_failing_after_the_first_token_ends_with_an_error_event():
 
 
 async def test_decode_breaking_mid_stream_after_the_first_token():
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         c.decodes[0].behavior.break_after = 3
         status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
@@ -187,7 +185,7 @@ async def test_decode_breaking_mid_stream_after_the_first_token():
 
 
 async def test_a_client_hanging_up_after_the_first_token_cancels_d():
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c)
         d = c.decodes[0]
         d.behavior.delay = 0.3
@@ -207,7 +205,7 @@ async def test_a_client_hanging_up_after_the_first_token_cancels_d():
     (TOKENS, 0, "prefill_stopped"),
 ])
 async def test_a_first_token_that_cannot_be_checked_is_left_to_d(tokens, eos, reason):
-    async with cluster() as c:
+    async with cluster(first_token="auto") as c:
         same_tokens(c, tokens)
         for srv in c.prefills + c.decodes:
             srv.behavior.eos_at = eos

@@ -114,8 +114,8 @@ class RouterConfig:
     release_timeout: float = 5.0
     #: (push, streaming) send the client P's first token as soon as P has it, then D's stream
     #: without its copy of it (``first_token``): "auto" where it is provably the same token
-    #: (greedy, one choice, ...), "off" never
-    first_token_from_prefill: str = "auto"
+    #: (greedy, one choice, ...), "off" never (the default: opt in, docs/router.md says why)
+    first_token_from_prefill: str = "off"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -184,10 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="push: time-out of each step of releasing P's prefill of an exchange that ended "
         "without decode output, s (%(default)s)")
     p.add_argument(
-        "--first-token-from-prefill", choices=("auto", "off"), default="auto",
+        "--first-token-from-prefill", choices=("auto", "off"), default="off",
         help="push, streaming requests: stream P's first token to the client as soon as P has "
         "it, then D's stream without its copy; auto: only where it is provably the same token "
-        "(greedy, one choice, no logprobs, stop strings or echo; docs/router.md) (%(default)s)")
+        "(greedy, one choice, no logprobs, stop strings or echo); a rare mismatch of P's and "
+        "D's token ends that stream with an error (docs/router.md) (%(default)s)")
     p.add_argument("--log-level", default="info", help="uvicorn/router log level")
     return p
 
