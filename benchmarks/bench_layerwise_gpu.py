@@ -123,6 +123,46 @@ class LayerwisePeer(StagedBenchPeer):
         g_, u = gu.chunk(2, dim=-1)
         return x + (F.silu(g_) * u) @ w["down"]
 
+    def tail_instrument(self) -> None:
+        """Stamp every chunk's WRITE post on P and every chunk's notice and finished unpack on D
+        (``time.monotonic()``, one clock for both processes): where the tail after the prefill
+        goes. One list append per chunk, so the stamps cost nothing measurable. Idempotent."""
+        if getattr(self, "_tail_ev", None) is not None:
+            return
+        ev = self._tail_ev = []
+        clock = time.monotonic
+        prod, dec = self.worker.producer, self.worker.decoder
+        if prod is not None:
+            post = prod._post
+
+            def stamped_post(job):  # stamped before the post: with cuda_ipc the post is the copy
+                if job.pending:
+                    notice = job.pending[0][2]
+                    ev.append(("p_post", clock(), notice.chunk, notice.chunks))
+                post(job)
+
+            prod._post = stamped_post
+        if dec is not None and dec.staged is not None:
+            rc = dec.staged
+            on_chunk, poll = rc.on_chunk, rc.poll
+
+            def stamped_on_chunk(wid, rank, msg, **k):
+                ev.append(("d_notice", clock(), msg.chunk, msg.chunks))
+                return on_chunk(wid, rank, msg, **k)
+
+            def stamped_poll():
+                out = poll()
+                if any(ranks for _, ranks in out):
+                    ev.append(("d_unpacked", clock(), -1, -1))
+                return out
+
+            rc.on_chunk, rc.poll = stamped_on_chunk, stamped_poll
+
+    def take_tail_events(self) -> list:
+        """The stamps since the last call (then cleared): ``(step, time, chunk, chunks)``."""
+        out, self._tail_ev[:] = list(self._tail_ev), []
+        return out
+
     def zero_blocks_of_prefill(self) -> None:
         mem = self.memory
         for layer in range(mem.geometry.num_layers):
@@ -163,7 +203,25 @@ class LayerwisePeer(StagedBenchPeer):
         return out
 
 
-def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
+def tail_steps(events: list, t_ref: float, t_received: float) -> dict:
+    """Where the tail went, from both peers' chunk stamps of one transfer (ms from ``t_ref``).
+
+    ``last_post``: P posted the last chunk's WRITE (for layer-wise: the last layer packed);
+    ``last_notice``: D took the last chunk's notice; ``last_group_ms``: the last chunk's WRITE
+    posted -> D received, i.e. one layer group's WRITE + D's unpack + the report, measured inside
+    this transfer; ``first_post`` shows when P started (layer-wise: during the prefill, < 0)."""
+    posts = sorted((e[2], e[1]) for e in events if e[0] == "p_post")
+    notices = sorted((e[2], e[1]) for e in events if e[0] == "d_notice")
+    if not posts or not notices:
+        return {}
+    first_post = min(t for _, t in posts)
+    last_post, last_notice = posts[-1][1], notices[-1][1]
+    ms = lambda t: (t - t_ref) * 1e3  # noqa: E731
+    return {"first_post": ms(first_post), "last_post": ms(last_post),
+            "last_notice": ms(last_notice), "last_group_ms": (t_received - last_post) * 1e3}
+
+
+def run_case(pair: Pair, tokens: int, rng, args, modes: list[str] | None = None) -> list[dict]:
     g = pair.pgeo
     n = -(-tokens // g.block_size)
     pblocks = fragmented_blocks(rng, pair.p_blocks, n)
@@ -171,7 +229,8 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
     seed = int(rng.integers(1 << 20))
     pair.P.call("prepare_prefill", tokens, pblocks, seed, args.hidden, args.q_heads,
                 args.intermediate, timeout=600)
-    modes = list(args.mode_list) + (["late"] if args.late else [])
+    if modes is None:
+        modes = list(args.mode_list) + (["late"] if args.late else [])
     samples: dict[str, list[dict]] = {m: [] for m in modes}
     bad: dict[str, list[str]] = {m: [] for m in modes}
     for r in range(args.reps + 1):  # repetition 0 warms up (verified, not counted)
@@ -184,6 +243,8 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
             if moves:
                 pair.D.call("canary", timeout=120)
             p0, d0 = pair.P.call("counters"), pair.D.call("counters")
+            for peer in (pair.P, pair.D):
+                peer.call("take_tail_events")
             if mode in ("layerwise", "staged"):  # D registered before the prefill began
                 pair.D.call("expect_at", key, tid, 0, pair.address, dblocks, 0, tokens)
                 pair.early += 1
@@ -203,6 +264,7 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
                 if got is None or got[0] != "received":
                     bad[mode].append(f"outcome {got}")
                     continue
+                events = pair.P.call("take_tail_events") + pair.D.call("take_tail_events")
                 if pair.P.call("wait_released", [key], 30.0) != [key]:
                     bad[mode].append("P kept its blocks")
                 v = pair.D.call("verify", seed, tokens, dblocks, 0, timeout=300)
@@ -216,7 +278,8 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
                     bad[mode].append(f"path: P {dp.get('layerwise_transfers', 0)} layer-wise, "
                                      f"D {dd.get('staged_transfers')} staged")
                 sample.update(tail_ms=(got[2] - t_ref) * 1e3, chunks=int(dd.get("staged_chunks", 0)),
-                              descriptors=int(dp.get("regions_written", 0)))
+                              descriptors=int(dp.get("regions_written", 0)),
+                              steps=tail_steps(events, t_ref, got[2]))
             if r > 0:
                 samples[mode].append(sample)
         log(f"  {tokens} tok rep {r}: " + ", ".join(
@@ -226,8 +289,8 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
     base = statistics.median(s["prefill_ms"] for s in samples["none"]) if samples.get("none") \
         else None
     staged = samples.get("staged") or []
-    group = (statistics.median(s["tail_ms"] / max(1, s["chunks"]) for s in staged)
-             if staged else None)
+    per_chunk = (statistics.median(s["tail_ms"] / max(1, s["chunks"]) for s in staged)
+                 if staged else None)
     for mode in modes:
         ss = samples[mode]
         if not ss:
@@ -236,6 +299,7 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
         pm = statistics.median(s["prefill_ms"] for s in ss)
         row = {"tokens": tokens, "block_size": g.block_size, "tp": 1, "mode": mode,
                "layers": g.num_layers, "prefill_ms_median": round(pm, 3),
+               "prefill_ms_min": round(min(s["prefill_ms"] for s in ss), 3),
                "prefill_slowdown": round(pm / base - 1, 4) if base else None,
                "verified": not bad[mode], "errors": bad[mode][:3], "reps": len(ss)}
         if "tail_ms" in ss[0]:
@@ -243,11 +307,42 @@ def run_case(pair: Pair, tokens: int, rng, args) -> list[dict]:
             row.update(tail_ms_median=round(statistics.median(tails), 3),
                        tail_ms_min=round(min(tails), 3), tail_ms_max=round(max(tails), 3),
                        chunks=ss[0]["chunks"], descriptors=ss[0]["descriptors"])
-            if group:
-                row["group_ms"] = round(group, 3)
-                row["tail_over_group"] = round(statistics.median(tails) / group, 2)
+            steps = [s["steps"] for s in ss if s.get("steps")]
+            if steps:  # medians of each step, ms from the tail's start
+                row["steps_ms_median"] = {k: round(statistics.median(st[k] for st in steps), 3)
+                                          for k in steps[0]}
+                row["last_group_ms"] = row["steps_ms_median"]["last_group_ms"]
+                row["tail_over_last_group"] = round(row["tail_ms_median"] / row["last_group_ms"],
+                                                    2)
+            if per_chunk:  # kept under its old name: the staged tail / its chunks
+                row["group_ms"] = round(per_chunk, 3)
+                row["tail_over_group"] = round(statistics.median(tails) / per_chunk, 2)
         out.append(row)
     return out
+
+
+def group_alone_tokens(tokens: int, args) -> int:
+    """Tokens of a request whose KV is exactly one staging chunk of a ``tokens`` request: the
+    size of "one layer group" (the whole request when it fits in one chunk)."""
+    per_tok = args.layers * 2 * args.kv_heads * args.head_size * 2
+    layer_bytes = tokens * per_tok // args.layers
+    layers = max(1, min(args.layers, (args.chunk_mib << 20) // layer_bytes))
+    return tokens if layers >= args.layers else tokens * layers // args.layers
+
+
+def add_group_alone(rows: list[dict], args) -> None:
+    """``group_alone_ms`` -- the post-prefill staged tail of a request whose KV is one chunk of a
+    row's size -- and the tail over it, on every row with a tail. The one-chunk request is a
+    ``group_case`` of its own, or the case itself when it fits in one chunk."""
+    alone = {r["tokens"]: r["tail_ms_median"] for r in rows
+             if r["mode"] == "staged" and r.get("chunks") == 1 and "tail_ms_median" in r}
+    for row in rows:
+        if "tail_ms_median" not in row or row.get("group_case"):
+            continue
+        t = alone.get(group_alone_tokens(row["tokens"], args))
+        if t:
+            row["group_alone_ms"] = t
+            row["tail_over_group_alone"] = round(row["tail_ms_median"] / t, 2)
 
 
 def parse(argv=None):
@@ -264,6 +359,9 @@ def parse(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--no-late", dest="late", action="store_false",
                     help="skip the layer-wise run with D registering after the prefill")
+    ap.add_argument("--no-group-alone", dest="group_alone", action="store_false",
+                    help="skip the post-prefill staged transfer of a one-chunk request after "
+                    "each case (the 'one layer group alone' reference)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-mib", type=int, default=512, help="staging_chunk_bytes (D decides)")
     ap.add_argument("--alloc", default="per_layer", choices=("per_layer", "pool"))
@@ -282,22 +380,36 @@ def parse(argv=None):
 
 
 def write_md(path: Path, rows: list[dict], meta: dict) -> None:
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
     lines = [f"# Layer-wise streaming behind a synthetic prefill ({meta['gpu']})", "",
              f"{meta['when']}; `{meta['command']}`", "",
              "| tokens | mode | prefill ms (median) | slowdown vs none | tail ms (median, min-max) "
-             "| chunks | group ms | tail / group | verified |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| last WRITE posted | last notice on D | last group | tail / last group "
+             "| one group alone | tail / group alone | chunks | descriptors | verified |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         tail = (f"{r['tail_ms_median']:.2f} ({r['tail_ms_min']:.2f}-{r['tail_ms_max']:.2f})"
                 if "tail_ms_median" in r else "-")
         sd = r.get("prefill_slowdown")
+        st = r.get("steps_ms_median") or {}
+        mode = r["mode"] + (" (one chunk alone)" if r.get("group_case") else "")
         lines.append(
-            f"| {r['tokens']} | {r['mode']} | {r.get('prefill_ms_median', '-')} | "
-            f"{'-' if sd is None else f'{sd * 100:+.2f}%'} | {tail} | {r.get('chunks', '-')} | "
-            f"{r.get('group_ms', '-')} | {r.get('tail_over_group', '-')} | {r['verified']} |")
-    lines += ["", "tail: layer-wise/staged = engine's sync on the last layer -> D received "
-              "(unpack included); late = D's registration call -> received. group: the staged "
-              "tail / its chunks.", ""]
+            f"| {r['tokens']} | {mode} | {f(r.get('prefill_ms_median'), '{:.1f}')} | "
+            f"{f(None if sd is None else sd * 100, '{:+.2f}%')} | {tail} | "
+            f"{f(st.get('last_post'))} | {f(st.get('last_notice'))} | "
+            f"{f(r.get('last_group_ms'))} | {f(r.get('tail_over_last_group'))} | "
+            f"{f(r.get('group_alone_ms'))} | {f(r.get('tail_over_group_alone'))} | "
+            f"{r.get('chunks', '-')} | {r.get('descriptors', '-')} | {r['verified']} |")
+    lines += ["", "All times in ms, medians over the measured repetitions. **tail**: layerwise and "
+              "staged = the engine thread's sync on the last layer's event returned -> D's "
+              "`received` outcome (D's unpack done); late = D's registration call -> received. "
+              "**last WRITE posted** (the post's start), **last notice on D**: the last chunk's steps, from the same "
+              "start. **last group**: the last chunk's WRITE posted -> received (one layer "
+              "group's WRITE + D's unpack, inside the same transfer). **one group alone**: the "
+              "post-prefill staged tail of a one-chunk request of one chunk's size (control path "
+              "+ pack + WRITE + unpack). The goal is tail <= 1.5x one group's transfer.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -315,11 +427,17 @@ def main(argv=None) -> int:
     args.device = args.device
     pair = Pair(args, args.block_size, blocks, config=cfg, server=SERVER)
     pair.p_blocks = pair.d_blocks = blocks
+    for peer in (pair.P, pair.D):
+        peer.call("tail_instrument")
     rows: list[dict] = []
     skipped: list[str] = []
+
+    def over() -> bool:
+        return bool(args.budget_s) and time.monotonic() - t_start > args.budget_s
+
     try:
         for tokens in args.tokens_list:
-            if args.budget_s and time.monotonic() - t_start > args.budget_s:
+            if over():
                 skipped.append(f"{tokens} tokens: budget")
                 continue
             log(f"case {tokens} tokens, block {args.block_size}, {args.layers} layers")
@@ -328,6 +446,21 @@ def main(argv=None) -> int:
             except PeerError as e:
                 skipped.append(f"{tokens} tokens: {str(e).strip().splitlines()[-1]}")
                 log(f"  failed: {e}")
+            group = group_alone_tokens(tokens, args)
+            if not args.group_alone or group == tokens or any(
+                    r["tokens"] == group and r.get("group_case") for r in rows):
+                continue
+            if over():
+                skipped.append(f"{group} tokens (one group alone): budget")
+                continue
+            log(f"case {group} tokens: one chunk alone, post-prefill staged")
+            try:
+                rows += [dict(r, group_case=True)
+                         for r in run_case(pair, group, rng, args, modes=["staged"])]
+            except PeerError as e:
+                skipped.append(f"{group} tokens: {str(e).strip().splitlines()[-1]}")
+                log(f"  failed: {e}")
+        add_group_alone(rows, args)
     finally:
         info = pair.info
         pair.close()
