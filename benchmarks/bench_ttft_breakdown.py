@@ -16,7 +16,13 @@ single server stays up), their systems side by side so that load drift weighs on
 * ``early``: ``early_prefill_done=auto`` (P announces a prefill when its step ran) against
   ``off`` (at ``request_finished``, one engine step later), one D;
 * ``poll``: one P (``auto``), D polling every 0.2 ms while it awaits a WRITE
-  (``await_poll_s`` default) against every 1 ms (``await_poll_s=0.001``: as before it existed).
+  (``await_poll_s`` default) against every 1 ms (``await_poll_s=0.001``: as before it existed);
+* ``first``: one P and one D behind two routers, the client's first token taken from P's leg
+  (the router's ``--first-token-from-prefill auto``, its default for these greedy streams)
+  against from D's stream (``off``: as before it existed).
+
+Since the ``first`` change, the other groups' routers take the first token from P too
+(``--first-token-from-prefill auto`` is the default); results from before it measured D's.
 
 Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push request
 (``common/timing.py`` lists them) are matched to it by the router's ``router_in`` stamp inside
@@ -62,6 +68,12 @@ GROUPS = {
               "d": {"d": {}},
               "systems": {"push early=auto": ("p-early-auto", "d"),
                           "push early=off": ("p-early-off", "d")}},
+    # one P and one D behind two routers: the client's first token from P (the router's
+    # default for greedy streams) against from D (--first-token-from-prefill off)
+    "first": {"p": {"p": {}}, "d": {"d": {}},
+              "systems": {"push first-token=prefill": ("p", "d"),
+                          "push first-token=decode": ("p", "d")},
+              "router_args": {"push first-token=decode": ["--first-token-from-prefill", "off"]}},
     "poll": {"p": {"p": {"early_prefill_done": "auto"}},
              "d": {"d-await-0.2ms": {}, "d-await-1ms": {"await_poll_s": 0.001}},
              "systems": {"push await_poll_s=0.0002": ("p", "d-await-0.2ms"),
@@ -288,7 +300,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=400,
                     help="token ids drawn below this (the tiny model has 462)")
     ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
-    ap.add_argument("--groups", default="early,poll",
+    ap.add_argument("--groups", default="first,early,poll",
                     help=f"comma-separated, from {sorted(GROUPS)}")
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"))
@@ -331,7 +343,8 @@ def main() -> None:
                 routers[system] = router(python=args.python, port=free_port(),
                                          prefill=[(p.url, p_kv)], decode=[ds[d_name].url],
                                          log_dir=log_dir, name=f"{gname}-router{i}",
-                                         extra_env=env)
+                                         extra_env=env,
+                                         extra_args=group.get("router_args", {}).get(system))
                 servers.append(routers[system])
             group_servers = [*(p for p, _ in ps.values()), *ds.values(), *routers.values()]
             for srv in fresh + group_servers:

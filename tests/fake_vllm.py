@@ -41,6 +41,12 @@ class Behavior:
     # then an error event and [DONE])
     metrics_text: str = ""  # what GET /metrics answers
     break_after: int | None = None  # a stream breaks (connection dropped) after this many chunks
+    #: the generated tokens' texts (default "<name>-tok<i> "); with them, streams look like
+    #: vLLM's: ``max_tokens`` of them, chat opens with a role chunk, the last chunk carries
+    #: ``finish_reason`` ("stop" when ``eos_at`` is reached), ``stream_options.include_usage``
+    #: adds a usage chunk
+    tokens: list[str] | None = None
+    eos_at: int | None = None  # the token index that is an end of sequence (its text is "")
 
 
 @dataclass
@@ -142,7 +148,38 @@ class FakeVLLM:
     # -- helpers -----------------------------------------------------------------------------
 
     def _token(self, i: int) -> str:
+        if self.behavior.tokens is not None:
+            return "" if i == self.behavior.eos_at else self.behavior.tokens[i]
         return f"{self.name}-tok{i} "
+
+    def _vllm_stream(self, body: dict, chat: bool, rid: str) -> list[bytes]:
+        """The events vLLM would stream for ``body`` with ``behavior.tokens`` (see Behavior)."""
+        b = self.behavior
+        n = min(int(body.get("max_tokens") or len(b.tokens)), len(b.tokens))
+        if b.eos_at is not None:
+            n = min(n, b.eos_at + 1)
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1700000000, "model": body.get("model", "fake-model")}
+        out = []
+        if chat:
+            out.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        for i in range(n):
+            last = i == n - 1
+            finish = ("stop" if i == b.eos_at else "length") if last else None
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": self._token(i)},
+                                          "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": self._token(i), "logprobs": None,
+                          "finish_reason": finish, "stop_reason": None}
+            out.append({**head, "choices": [choice]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            out.append({**head, "choices": [], "usage": {"prompt_tokens": 3,
+                                                         "completion_tokens": n}})
+        return [f"data: {json.dumps(e)}\n\n".encode() for e in out]
 
     def _kv_params(self, rec: Record, chat: bool) -> dict | None:
         """What vLLM's P returns (pull/push schedulers' ``request_finished``)."""
@@ -176,6 +213,20 @@ class FakeVLLM:
                     rec.sent += data
                     yield data
                 rec.completed = True
+                return
+            if b.tokens is not None:
+                for i, data in enumerate(self._vllm_stream(rec.body, chat, rid)):
+                    if rec.disconnected:
+                        return
+                    if b.break_after is not None and i == b.break_after:
+                        raise ConnectionAbortedError("fake server died mid-stream")
+                    if i and b.chunk_interval:
+                        await asyncio.sleep(b.chunk_interval)
+                    rec.sent += data
+                    yield data
+                rec.sent += b"data: [DONE]\n\n"
+                rec.completed = True
+                yield b"data: [DONE]\n\n"
                 return
             for i in range(b.n_chunks):
                 if rec.disconnected:

@@ -132,24 +132,50 @@ def test_prefix_cache_hit_on_decoder_writes_only_the_tail(stack, prompts):
     assert ext > 0, "the uncached tail did not come by KV transfer"
 
 
-def test_streaming_and_chat_through_router(stack, prompts):
-    url = stack["router"].url
-    prompt = prompts[3]
-    want = stack["reference"][prompt]
-    text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=180,
-                      json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                            "temperature": 0, "stream": True}) as r:
+def _streamed(url: str, endpoint: str, body: dict) -> tuple[str, list[dict]]:
+    """A streamed request's text and its events (without [DONE])."""
+    text, events = "", []
+    with httpx.stream("POST", f"{url}{endpoint}", timeout=180, json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
+                e = json.loads(line[6:])
+                assert "error" not in e, e
+                events.append(e)
+                for c in e.get("choices") or ():
+                    text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return text, events
+
+
+def test_streaming_and_chat_through_router(stack, prompts):
+    """Greedy streams take their first token from P (the router's first_token.py): the text is
+    still the single server's, each token once; chat streamed equals chat not streamed."""
+    url = stack["router"].url
+    sent0 = metric(url, "kv_push_router_first_token_total", path="prefill")
+    prompt = prompts[3]
+    want = stack["reference"][prompt]
+    text, events = _streamed(url, "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}})
     assert text == want[2]
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=180, json={
-        "model": "tiny", "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": MAX_TOKENS, "temperature": 0})
+    usage = [e["usage"] for e in events if e.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == MAX_TOKENS
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=180, json=chat)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["message"] is not None
+    whole = r.json()["choices"][0]["message"]["content"]
+    streamed, events = _streamed(url, "/v1/chat/completions", dict(chat, stream=True))
+    assert streamed == whole
+    roles = [(e["choices"][0].get("delta") or {}).get("role") for e in events if e.get("choices")]
+    assert roles.count("assistant") == 1
+    one, _ = _streamed(url, "/v1/completions", {"model": "tiny", "prompt": prompt,
+                                                "max_tokens": 1, "temperature": 0,
+                                                "stream": True})
+    assert one and want[2].startswith(one)
+    # the first token came from P in each of the three (unless D was faster: it never is here)
+    assert metric(url, "kv_push_router_first_token_total", path="prefill") - sent0 == 3
+    assert metric(url, "kv_push_router_first_token_total", path="mismatch") == 0
 
 
 def test_concurrent_requests_all_identical(stack, prompts):

@@ -47,6 +47,9 @@ from kv_push.common import timing
 from kv_push.common.auth import TransferParamsSigner
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
+from kv_push.common.router.first_token import (
+    DecodeFilter, FirstTokenMismatch, first_token_events, ineligible,
+)
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.router.release import ReleaseSender
 
@@ -90,6 +93,14 @@ class Metrics:
         self.releases = Counter(
             p + "releases", "Transfer ids of exchanges that ended without decode output, by "
             "what became of their release to P (sent, failed, dropped)", ["result"], registry=r)
+        self.first_token = Counter(
+            p + "first_token", "Streaming push requests by where the client's first token came "
+            "from (path: prefill, decode, mismatch) and why not from P (reason)",
+            ["path", "reason"], registry=r)
+        self.first_token_seconds = Histogram(
+            p + "first_token_seconds", "Streaming requests: router receipt to the first token "
+            "sent to the client, by its source (prefill, decode)", ["endpoint", "mode", "source"],
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.release_errors = Counter(
             p + "release_errors", "Releases that did not reach a P rank, by kind (connect, "
             "timeout, refused, bad_reply, internal)", ["kind"], registry=r)
@@ -160,10 +171,70 @@ class DecodeStream:
     rest: AsyncIterator[bytes] | None
     output: bool = True  # D produced output (False: an error status or event came first)
 
+    @property
+    def status_code(self) -> int:
+        return self.resp.status_code
+
+    @property
+    def media_type(self) -> str:
+        return self.resp.headers.get("content-type", "text/event-stream")
+
     async def aclose(self) -> None:
         if self.rest is not None:
             await self.rest.aclose()  # type: ignore[attr-defined]
         await self.resp.aclose()  # mid-body, this closes the connection: vLLM aborts the request
+
+
+class PrefillFirstStream:
+    """A streaming response that starts with P's first token (``first``: its SSE events) and
+    goes on with D's stream without D's copy of that token (``first_token.py``). D's leg is
+    still ``ex.d_task``; it is awaited when the client has had the first token."""
+
+    status_code = 200
+    media_type = "text/event-stream"
+    output = True
+
+    def __init__(self, ex: "Exchange", first: bytes, text: str, chat: bool) -> None:
+        self.ex, self.first, self._text, self._chat = ex, first, text, chat
+        self.rest = self._rest()
+
+    async def _rest(self) -> AsyncIterator[bytes]:
+        ex = self.ex
+        router = ex.router
+        assert ex.d_task is not None
+        try:
+            d = await ex.d_task
+        except UpstreamError as err:  # D failed before any output: end the stream with it
+            ex.outcome = "decode_error"
+            yield _error_event(err.message, err.error_type, err.status, b"")
+            return
+        ex.decode_output = d.output
+        if router.config.mode == "push" and d.resp.status_code < 400:
+            router.compat.worked(ex.p.backend.url, ex.d.backend.url)
+        filt = DecodeFilter(self._text, self._chat)
+        try:
+            out = filt.feed(d.first)
+            if out:
+                yield out
+            async for data in d.rest or ():
+                out = filt.feed(data)
+                if out:
+                    yield out
+        except FirstTokenMismatch as e:
+            ex.outcome = "first_token_mismatch"
+            router.metrics.first_token.labels(path="mismatch", reason="").inc()
+            logger.error("tid=%s: %s; the stream is ended with an error", ex.tid, e)
+            yield _error_event(f"{e}: the response was cut after the first token "
+                               "(--first-token-from-prefill off avoids this)",
+                               "first_token_mismatch", 500, b"")
+
+    async def aclose(self) -> None:
+        await self.rest.aclose()  # type: ignore[attr-defined]
+
+
+def _error_event(message: str, kind: str, status: int, lead: bytes) -> bytes:
+    event = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+    return lead + f"data: {event}\n\ndata: [DONE]\n\n".encode()
 
 
 @dataclass(frozen=True)
@@ -191,6 +262,8 @@ class Exchange:
         self.outcome = "ok"
         self.labels = {"endpoint": endpoint, "mode": router.config.mode}
         self.decode_output = False  # D produced output: its engine saw the request and has it
+        #: why the client's first token does not come from P (None: it may; first_token.py)
+        self.first_token_off = router.first_token_off(endpoint, body)
         self._closed = False
         if timing.ENABLED:
             timing.stamp("router_in", self.tid, endpoint=endpoint)
@@ -231,11 +304,10 @@ class ProxyStream(StreamingResponse):
     server, even while D is silent, and so that the exchange is always closed afterwards.
     """
 
-    def __init__(self, ex: Exchange, d: DecodeStream) -> None:
+    def __init__(self, ex: Exchange, d: DecodeStream | PrefillFirstStream) -> None:
         headers = {"X-Request-Id": ex.tid, "Cache-Control": "no-cache"}
-        media_type = d.resp.headers.get("content-type", "text/event-stream")
-        super().__init__(iter(()), status_code=d.resp.status_code, headers=headers,
-                         media_type=media_type)
+        super().__init__(iter(()), status_code=d.status_code, headers=headers,
+                         media_type=d.media_type)
         self.ex, self.d = ex, d
         self._finished = False
 
@@ -356,6 +428,22 @@ class Router:
                        leg, kind, leg, url, msg if isinstance(exc, httpx.Response) else repr(exc))
         return UpstreamError(leg, kind, status, msg, body=body)
 
+    def first_token_off(self, endpoint: str, body: dict) -> str | None:
+        """Why a request's first token is not taken from P (``first_token.py``), or None."""
+        if self.config.mode != "push" or not body.get("stream"):
+            return "not_streaming" if self.config.mode == "push" else self.config.mode
+        if self.config.first_token_from_prefill == "off":
+            return "off"
+        return ineligible(body, chat=endpoint.endswith("chat/completions"))
+
+    def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
+        if not ex.stream:
+            return
+        if self.config.mode == "push":
+            self.metrics.first_token.labels(path=source, reason=reason).inc()
+        self.metrics.first_token_seconds.labels(**ex.labels, source=source).observe(
+            time.perf_counter() - ex.t0)
+
     def release(self, ex: Exchange) -> None:
         """(push mode) ``ex`` ended without D's output: D's engine may never have seen it, so
         nobody else will make P let go of its prefill -- queue a ``Release`` of its transfer id
@@ -387,6 +475,10 @@ class Router:
                 resp = await self.client.post(url + ex.endpoint, json=body, headers=headers)
                 if resp.status_code >= 400:
                     raise self.failure(ex, "prefill", url, resp)
+                if body.get("stream"):  # one token, streamed: its events (first_token.py)
+                    if timing.ENABLED:
+                        timing.stamp("router_p_done", ex.tid)
+                    return {"sse": resp.content}
                 data = resp.json()
                 if not isinstance(data, dict):
                     raise ValueError("response is not a JSON object")
@@ -487,7 +579,8 @@ class Router:
     # -- dispatch ------------------------------------------------------------------------------
 
     def _prefill_body(self, ex: Exchange) -> dict:
-        """The P leg's body: one token, not streamed, with the mode's ``kv_transfer_params``.
+        """The P leg's body: one token, not streamed (streamed where the client's first token
+        comes from P: ``first_token.py``), with the mode's ``kv_transfer_params``.
 
         push mode, ``n > 1``: P prefills each prompt once (``n: 1``) and each prefill serves the
         ``n`` samples D makes of it (``fanout: n``, covered by the signature). Not with beam
@@ -502,6 +595,8 @@ class Router:
         if self.config.mode != "push":
             body["kv_transfer_params"] = dict(PULL_PREFILL_PARAMS)
             return body
+        if ex.first_token_off is None:
+            body["stream"] = True  # its one token as D would stream it (first_token.py)
         params: dict[str, Any] = {"transfer_id": ex.tid, "do_remote_decode": True}
         n = body.get("n")
         if (type(n) is int and 1 < n <= MAX_FANOUT and not body.get("use_beam_search")
@@ -532,7 +627,8 @@ class Router:
             raise ClientGone
         return task.result()
 
-    async def dispatch(self, ex: Exchange, request: Request) -> DecodeStream:
+    async def dispatch(self, ex: Exchange, request: Request
+                       ) -> DecodeStream | PrefillFirstStream:
         """Run the legs until D has produced output; raise UpstreamError / ClientGone."""
         headers = {"X-Request-Id": ex.tid}
         if auth := request.headers.get("authorization"):
@@ -551,6 +647,7 @@ class Router:
             ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
             stream = await self._await(ex, ex.d_task)
             ex.decode_output = stream.output
+            self._first_token_sent(ex, "decode", ex.first_token_off or "")
             return stream
 
         d_body = dict(ex.body, kv_transfer_params=d_params)
@@ -559,6 +656,7 @@ class Router:
             timing.stamp("router_legs_sent", ex.tid)
         waiting: set[asyncio.Future] = {ex.p_task, ex.d_task, ex.disconnect}
         p_error: UpstreamError | None = None  # P's 4xx, while D may still answer
+        first_reason = ""  # why P's first token, once P answered, could not be used
         loop = asyncio.get_running_loop()
         deadline = 0.0
         while True:
@@ -573,6 +671,8 @@ class Router:
             if ex.d_task in done:
                 stream = ex.d_task.result()  # a D failure raises here; close() cancels P
                 ex.decode_output = stream.output
+                self._first_token_sent(ex, "decode", first_reason or ex.first_token_off or
+                                       "decode_first")
                 if self.config.mode == "push" and stream.resp.status_code < 400:
                     self.compat.worked(ex.p.backend.url, ex.d.backend.url)
                 if ex.p_task.done():
@@ -582,7 +682,17 @@ class Router:
                 return stream
             waiting.discard(ex.p_task)
             try:
-                ex.p_task.result()  # a P failure before D's output raises; close() cancels D
+                p_out = ex.p_task.result()  # a P failure before D's output raises; close()
+                # cancels D
+                if ex.first_token_off is None:
+                    chat = ex.endpoint.endswith("chat/completions")
+                    got = first_token_events(p_out.get("sse") or b"", chat)
+                    if isinstance(got, tuple):
+                        self._first_token_sent(ex, "prefill", "")
+                        if timing.ENABLED:
+                            timing.stamp("router_first_byte", ex.tid, source="prefill")
+                        return PrefillFirstStream(ex, got[0], got[1], chat)
+                    first_reason = got
             except UpstreamError as err:
                 if not 400 <= err.status < 500:
                     raise

@@ -112,6 +112,10 @@ class RouterConfig:
     health_probe_timeout: float = 2.0
     #: (push) bound of each socket operation of a release to a P side channel, seconds
     release_timeout: float = 5.0
+    #: (push, streaming) send the client P's first token as soon as P has it, then D's stream
+    #: without its copy of it (``first_token``): "auto" where it is provably the same token
+    #: (greedy, one choice, ...), "off" never
+    first_token_from_prefill: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -137,6 +141,9 @@ class RouterConfig:
             raise ValueError(f"--release-timeout must be > 0, got {self.release_timeout}")
         if not self.health_probe_timeout > 0:
             raise ValueError(f"health_probe_timeout must be > 0, got {self.health_probe_timeout}")
+        if self.first_token_from_prefill not in ("auto", "off"):
+            raise ValueError("--first-token-from-prefill must be auto or off, got "
+                             f"{self.first_token_from_prefill!r}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_connections < 1:
@@ -176,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--release-timeout", type=float, default=5.0,
         help="push: time-out of each step of releasing P's prefill of an exchange that ended "
         "without decode output, s (%(default)s)")
+    p.add_argument(
+        "--first-token-from-prefill", choices=("auto", "off"), default="auto",
+        help="push, streaming requests: stream P's first token to the client as soon as P has "
+        "it, then D's stream without its copy; auto: only where it is provably the same token "
+        "(greedy, one choice, no logprobs, stop strings or echo; docs/router.md) (%(default)s)")
     p.add_argument("--log-level", default="info", help="uvicorn/router log level")
     return p
 
@@ -198,6 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RouterConfig, str]:
             connect_timeout=min(10.0, ns.timeout),
             max_connections=ns.max_connections,
             release_timeout=ns.release_timeout,
+            first_token_from_prefill=ns.first_token_from_prefill,
         )
     except ValueError as exc:
         parser.error(str(exc))  # exits

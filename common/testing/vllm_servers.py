@@ -195,9 +195,9 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
 
 def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
            log_dir: Path, mode: str = "push", name: str = "router",
-           extra_env: dict | None = None) -> Server:
+           extra_env: dict | None = None, extra_args: list[str] | None = None) -> Server:
     argv = [python, "-m", "kv_push.common.router", "--host", "127.0.0.1", "--port", str(port),
-            "--mode", mode]
+            "--mode", mode, *(extra_args or [])]
     for url, kv_port, *engine in prefill:  # (url, kv port[, engine id])
         spec = f"{url},kv=127.0.0.1:{kv_port}" + (f",engine_id={engine[0]}" if engine else "")
         argv += ["--prefill", spec]

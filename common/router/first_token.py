@@ -1,0 +1,208 @@
+"""The first token from the prefill leg (push mode, streaming requests).
+
+P's leg asks for one token; P samples it at the end of the prefill, long before D -- which
+waits for the KV, schedules the request and runs one step -- samples the same token again. For a
+streaming client the router can send P's token at once and then D's stream without D's copy of
+it. That is only right where P's token *is* D's first token, so it is done only for requests
+where both legs provably pick the same one (:func:`ineligible`):
+
+* greedy sampling (``temperature`` given as 0; an absent temperature is the model's default,
+  which may sample), one choice (``n`` 1, no ``best_of``, no beam search, one prompt);
+* nothing that makes the streamed first token differ from a lone one: no logprobs or token ids
+  in the output (P's would have to be merged), no echo, no stop strings (a stream holds back
+  text that may begin one), no ``min_tokens`` (P's leg cannot carry it), no structured output
+  or tools (other delta fields).
+
+P's leg is then streamed (one token); :func:`first_token_events` turns its events into what the
+client gets first -- P's own chunks, with ``finish_reason`` cleared (P stopped at its one token;
+the client's request goes on) and P's usage chunk and ``[DONE]`` left out -- and refuses when
+the token's text cannot be checked against D's (empty: an end of sequence, or bytes of a
+character the detokenizer holds back; or the replacement character). :class:`DecodeFilter`
+then passes D's stream on, minus the text of that token (and, for chat, D's role chunk): D's
+text must begin with P's, which it does unless the two servers' logits differ (different
+numerics); a mismatch is never hidden -- the stream ends with an error event and ``[DONE]``,
+and the router counts it (``kv_push_router_first_token_total{path="mismatch"}``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: request keys that change what a streamed token looks like, or may make P's leg pick another
+#: token than D's first, with the fallback reason they are counted under
+_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs", "guided_decoding_backend")
+
+
+class FirstTokenMismatch(Exception):
+    """D's first token's text is not P's."""
+
+
+def ineligible(body: dict, chat: bool) -> str | None:
+    """Why ``body`` cannot take the first token from P (a short reason), or None when it can."""
+    if body.get("stream") is not True:
+        return "not_streaming"
+    t = body.get("temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0:
+        return "not_greedy"
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) \
+            or body.get("use_beam_search"):
+        return "several_choices"
+    if chat:
+        if body.get("logprobs") or body.get("top_logprobs") is not None:
+            return "logprobs"
+        if body.get("tools") or body.get("tool_choice") not in (None, "none") \
+                or body.get("functions"):
+            return "tools"
+        rf = body.get("response_format")
+        if rf not in (None, {"type": "text"}):
+            return "structured"
+        if body.get("continue_final_message") or body.get("echo"):
+            return "echo"
+    else:
+        if body.get("logprobs") is not None:
+            return "logprobs"
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt) \
+                and len(prompt) != 1:
+            return "prompt_list"
+        if body.get("echo"):
+            return "echo"
+    if body.get("prompt_logprobs") is not None or body.get("return_token_ids"):
+        return "logprobs"
+    if body.get("stop"):
+        return "stop_strings"
+    if body.get("min_tokens"):
+        return "min_tokens"
+    if any(body.get(k) is not None for k in _STRUCTURED):
+        return "structured"
+    return None
+
+
+def sse_events(data: bytes) -> list[bytes]:
+    """The complete ``data: ...`` events of an SSE body, without their blank-line ends."""
+    return [e.strip() for e in data.split(b"\n\n") if e.strip()]
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _choice_text(choice: dict, chat: bool) -> str:
+    if chat:
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def first_token_events(p_body: bytes, chat: bool) -> tuple[bytes, str] | str:
+    """From P's streamed one-token answer: (the SSE bytes the client gets first, the token's
+    text), or why it cannot be used (a short reason)."""
+    out: list[bytes] = []
+    text = ""
+    for raw in sse_events(p_body):
+        if not raw.startswith(b"data:"):
+            continue
+        payload = raw[5:].strip()
+        if payload == b"[DONE]":
+            break
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return "prefill_unreadable"
+        if not isinstance(obj, dict) or "error" in obj:
+            return "prefill_error"
+        choices = obj.get("choices") or []
+        if not choices:
+            continue  # P's usage chunk: the client's usage comes from D
+        if len(choices) != 1 or not isinstance(choices[0], dict):
+            return "prefill_unexpected"
+        choice = choices[0]
+        if chat:
+            delta = choice.get("delta") or {}
+            extra = {k for k, v in delta.items() if v not in (None, "")} - {"role", "content"}
+            if extra:
+                return "delta_fields"
+            keep = bool(delta.get("role")) or bool(delta.get("content"))
+        else:
+            keep = bool(choice.get("text"))
+        text += _choice_text(choice, chat)
+        if choice.get("finish_reason") not in (None, "length"):
+            return "prefill_stopped"  # an end of sequence or a stop: D says how it ends
+        choice["finish_reason"] = None
+        if "stop_reason" in choice:
+            choice["stop_reason"] = None
+        obj.pop("usage", None)
+        if keep:
+            out.append(_event(obj))
+    if not text:
+        return "empty_token"
+    if "\ufffd" in text:
+        return "partial_character"
+    return b"".join(out), text
+
+
+class DecodeFilter:
+    """D's SSE stream minus its copy of the first token (see the module doc). ``feed`` takes
+    bytes as they come and returns the bytes to send on; raises :class:`FirstTokenMismatch`."""
+
+    def __init__(self, first_text: str, chat: bool):
+        self.remaining = first_text
+        self.chat = chat
+        self._buf = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> bytes:
+        if self.done:
+            return data
+        self._buf += data
+        out = []
+        while not self.done:
+            end = self._buf.find(b"\n\n")
+            if end < 0:
+                break
+            raw, self._buf = self._buf[:end], self._buf[end + 2:]
+            out.append(self._one(raw))
+        if self.done:
+            out.append(self._buf)
+            self._buf = b""
+        return b"".join(out)
+
+    def _one(self, raw: bytes) -> bytes:
+        stripped = raw.strip()
+        if not stripped:
+            return b""
+        payload = stripped[5:].strip() if stripped.startswith(b"data:") else b""
+        try:
+            obj: Any = json.loads(payload) if payload and payload != b"[DONE]" else None
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or not obj.get("choices"):
+            if payload == b"[DONE]" or (isinstance(obj, dict) and "error" in obj):
+                self.done = True  # D ended (or failed) before its first token: pass it on
+            return raw + b"\n\n"
+        choice = obj["choices"][0]
+        if self.chat:
+            delta = choice.get("delta") or {}
+            delta.pop("role", None)  # the client has P's role chunk
+            text = delta.get("content") or ""
+        else:
+            text = choice.get("text") or ""
+        if text:
+            n = min(len(text), len(self.remaining))
+            if text[:n] != self.remaining[:n]:
+                raise FirstTokenMismatch(f"the decode server's first token began {text[:n]!r}, "
+                                         f"the prefill server's {self.remaining[:n]!r}")
+            self.remaining, text = self.remaining[n:], text[n:]
+            if self.chat:
+                if text:
+                    delta["content"] = text
+                else:
+                    delta.pop("content", None)
+            else:
+                choice["text"] = text
+        if not self.remaining:
+            self.done = True
+        meaningful = text or choice.get("finish_reason") is not None or obj.get("usage") or (
+            self.chat and any(v not in (None, "") for v in (choice.get("delta") or {}).values()))
+        return _event(obj) if meaningful else b""

@@ -1,0 +1,230 @@
+"""The router's first token from the prefill leg (``common/router/first_token.py``), against fake
+vLLM servers that stream as vLLM does (``Behavior.tokens``): the client's stream starts with P's
+token and goes on with D's without D's copy; which requests qualify; what a mismatch, a failing
+D, a hang-up or an end of sequence do."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from kv_push.common.router.first_token import DecodeFilter, FirstTokenMismatch, ineligible
+
+from test_router import CHAT, COMPLETION, all_idle, cluster, eventually, post
+
+TOKENS = ["Hello", ",", " world", "!", " How", " are", " you"]
+GREEDY = {"stream": True, "temperature": 0, "max_tokens": 5}
+
+
+def events(data: bytes) -> list:
+    out = []
+    for raw in data.split(b"\n\n"):
+        raw = raw.strip()
+        if raw.startswith(b"data: "):
+            payload = raw[6:]
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def text_of(evs: list, chat: bool) -> str:
+    out = ""
+    for e in evs:
+        if isinstance(e, dict) and e.get("choices"):
+            c = e["choices"][0]
+            out += ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+    return out
+
+
+def same_tokens(c, tokens=TOKENS):
+    for srv in c.prefills + c.decodes:
+        srv.behavior.tokens = list(tokens)
+
+
+async def metric(c, path: str, reason: str | None = None) -> float:
+    m = await c.metrics()
+    return sum(v for (name, labels), v in m.items()
+               if name == "kv_push_router_first_token_total" and dict(labels)["path"] == path
+               and (reason is None or dict(labels)["reason"] == reason))
+
+
+@pytest.mark.parametrize("endpoint,base,chat", [("/v1/completions", COMPLETION, False),
+                                                ("/v1/chat/completions", CHAT, True)])
+async def test_the_first_token_comes_from_p_and_the_rest_from_d(endpoint, base, chat):
+    body = dict(base, **GREEDY)
+    body.pop("max_completion_tokens", None)
+    async with cluster() as c:
+        same_tokens(c)
+        (p,), (d,) = c.prefills, c.decodes
+        d.behavior.delay = 0.6  # D's first token comes long after P's
+        t0 = time.monotonic()
+        first_at = None
+        async with c.client.stream("POST", endpoint, json=body) as r:
+            assert r.status_code == 200
+            data = b""
+            async for chunk in r.aiter_bytes():
+                if first_at is None and text_of(events(data + chunk), chat):
+                    first_at = time.monotonic() - t0
+                data += chunk
+        evs = events(data)
+        assert text_of(evs, chat) == "".join(TOKENS[:5])  # each token once, in order
+        assert first_at is not None and first_at < 0.5  # P's token, before D even answered
+        assert evs[-1] == "[DONE]"
+        finishes = [e["choices"][0]["finish_reason"] for e in evs[:-1] if e.get("choices")]
+        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+        if chat:  # one role chunk, P's
+            roles = [e["choices"][0]["delta"].get("role") for e in evs[:-1]]
+            assert roles.count("assistant") == 1 and roles[0] == "assistant"
+        (prec,), (drec,) = p.records, d.records
+        assert prec.body["stream"] is True and prec.body["max_tokens"] == 1
+        assert drec.body["stream"] is True and drec.body["max_tokens"] == 5
+        assert await metric(c, "prefill") == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_usage_and_max_tokens_1_as_a_single_server_streams():
+    body = dict(COMPLETION, **GREEDY)
+    body.update(max_tokens=1, stream_options={"include_usage": True})
+    async with cluster() as c:
+        same_tokens(c)
+        status, data, _ = await post(c, "/v1/completions", body)
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == TOKENS[0]
+        assert [e["choices"][0]["finish_reason"] for e in evs if isinstance(e, dict)
+                and e.get("choices")][-1] == "length"
+        usage = [e["usage"] for e in evs if isinstance(e, dict) and e.get("usage")]
+        assert usage == [{"prompt_tokens": 3, "completion_tokens": 1}]  # D's, once
+        assert "stream_options" not in c.prefills[0].records[0].body
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"temperature": None}, "not_greedy"),
+    ({"temperature": 0.7}, "not_greedy"),
+    ({"n": 2}, "several_choices"),
+    ({"logprobs": 1}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"stop": ["!"]}, "stop_strings"),
+    ({"prompt": ["a", "b"]}, "prompt_list"),
+    ({"min_tokens": 2}, "min_tokens"),
+    ({"guided_regex": "a+"}, "structured"),
+    ({"return_token_ids": True}, "logprobs"),
+])
+async def test_requests_that_do_not_qualify_take_the_decode_stream(change, reason):
+    body = {k: v for k, v in {**COMPLETION, **GREEDY, **change}.items() if v is not None}
+    async with cluster() as c:
+        same_tokens(c)
+        c.decodes[0].behavior.delay = 0.2  # P answers first
+        status, data, _ = await post(c, "/v1/completions", body)
+        assert status == 200 and data == c.decodes[0].records[0].sent  # D's stream, untouched
+        assert c.prefills[0].records[0].body["stream"] is False
+        assert await metric(c, "decode", reason) == 1 and await metric(c, "prefill") == 0
+
+
+def test_eligibility_rules():
+    assert ineligible(dict(COMPLETION, **GREEDY), chat=False) is None
+    assert ineligible(dict(CHAT, **GREEDY), chat=True) is None
+    def with_(base, **kw):
+        return {**base, **GREEDY, **kw}
+
+    assert ineligible(with_(COMPLETION, prompt=[1, 2, 3]), chat=False) is None
+    assert ineligible(with_(COMPLETION, prompt=["one"]), chat=False) is None
+    assert ineligible(with_(COMPLETION, stream=False), chat=False) == "not_streaming"
+    assert ineligible(with_(COMPLETION, temperature=True), chat=False) == "not_greedy"
+    assert ineligible(with_(CHAT, logprobs=True), chat=True) == "logprobs"
+    assert ineligible(with_(CHAT, tools=[{"type": "function"}]), chat=True) == "tools"
+    assert ineligible(with_(CHAT, response_format={"type": "json_object"}),
+                      chat=True) == "structured"
+
+
+async def test_off_never_takes_it_from_p():
+    async with cluster() as c:
+        c.router.config = type(c.router.config)(**{**c.router.config.__dict__,
+                                                   "first_token_from_prefill": "off"})
+        same_tokens(c)
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert status == 200 and data == c.decodes[0].records[0].sent
+        assert await metric(c, "decode", "off") == 1
+
+
+async def test_a_mismatch_ends_the_stream_with_an_error_and_is_counted():
+    async with cluster() as c:
+        same_tokens(c)
+        c.decodes[0].behavior.tokens = ["Howdy"] + TOKENS[1:]
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "Hello"  # P's token, then nothing of D's
+        assert evs[-2]["error"]["type"] == "first_token_mismatch" and evs[-1] == "[DONE]"
+        assert await metric(c, "mismatch") == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_decode_failing_after_the_first_token_ends_with_an_error_event():
+    async with cluster() as c:
+        same_tokens(c)
+        c.decodes[0].behavior.fail_status = 500
+        c.decodes[0].behavior.delay = 0.2
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "Hello"
+        assert "error" in evs[-2] and evs[-1] == "[DONE]"
+        # D produced no output: P's prefill of it is released
+        sc = c.side_channels[0]
+        await eventually(lambda: len(sc.releases) == 1, "P told to release the prefill")
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_decode_breaking_mid_stream_after_the_first_token():
+    async with cluster() as c:
+        same_tokens(c)
+        c.decodes[0].behavior.break_after = 3
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "".join(TOKENS[:3])
+        assert "error" in evs[-2] and evs[-1] == "[DONE]"
+
+
+async def test_a_client_hanging_up_after_the_first_token_cancels_d():
+    async with cluster() as c:
+        same_tokens(c)
+        d = c.decodes[0]
+        d.behavior.delay = 0.3
+        d.behavior.chunk_interval = 0.5
+        async with c.client.stream("POST", "/v1/completions",
+                                   json=dict(COMPLETION, **GREEDY)) as r:
+            async for chunk in r.aiter_bytes():
+                if b"Hello" in chunk:
+                    break  # the client leaves after P's token
+        await eventually(lambda: bool(d.records) and d.records[0].disconnected,
+                         "D's leg to be cancelled")
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+@pytest.mark.parametrize("tokens,eos,reason", [
+    (["\ufffd"] + TOKENS[1:], None, "partial_character"),
+    (TOKENS, 0, "prefill_stopped"),
+])
+async def test_a_first_token_that_cannot_be_checked_is_left_to_d(tokens, eos, reason):
+    async with cluster() as c:
+        same_tokens(c, tokens)
+        for srv in c.prefills + c.decodes:
+            srv.behavior.eos_at = eos
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert status == 200 and data == c.decodes[0].records[0].sent
+        assert await metric(c, "decode", reason) == 1
+
+
+def test_the_decode_filter_splits_events_and_tokens_anywhere():
+    """D's bytes may cut events anywhere, and a chunk may hold more than the first token."""
+    evs = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]}
+           for t in ("Hel", "lo, w", "orld")]
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in evs) + b"data: [DONE]\n\n"
+    for cut in range(1, len(raw)):
+        f = DecodeFilter("Hello", chat=False)
+        got = f.feed(raw[:cut]) + f.feed(raw[cut:])
+        assert text_of(events(got), False) == ", world" and got.endswith(b"data: [DONE]\n\n")
+    with pytest.raises(FirstTokenMismatch):
+        DecodeFilter("Help", chat=False).feed(raw)
