@@ -148,7 +148,7 @@ def _streamed(url: str, endpoint: str, body: dict) -> tuple[str, list[dict]]:
     return text, events
 
 
-def test_streaming_and_chat_through_router(stack, prompts):
+def test_streaming_and_chat_through_router(stack, prompts, figures):
     """Greedy streams take their first token from P (the router's first_token.py): the text is
     still the single server's, each token once; chat streamed equals chat not streamed."""
     url = stack["router"].url
@@ -174,8 +174,20 @@ def test_streaming_and_chat_through_router(stack, prompts):
                                                 "max_tokens": 1, "temperature": 0,
                                                 "stream": True})
     assert one and want[2].startswith(one)
-    # the first token came from P in each of the three (unless D was faster: it never is here)
-    assert metric(url, "kv_push_router_first_token_total", path="prefill") - sent0 == 3
+    # Fresh prompts (no prefix in either cache), streamed first, then not streamed: the same
+    # text either way. Whether a stream's first token came from P or from D depends on which
+    # answer reaches the router first -- on this 2-core box P's HTTP answer often comes after
+    # D's first token -- so the count is reported, not asserted; the P-first path's events are
+    # checked against fake servers (test_router_first_token.py).
+    for i in range(4):
+        fresh = f"streamed first {i}: " + prompts[14 + i]  # no prefix in D's cache
+        body = {"model": "tiny", "prompt": fresh, "max_tokens": MAX_TOKENS, "temperature": 0}
+        text, _ = _streamed(url, "/v1/completions", dict(body, stream=True))
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=180)
+        assert whole.status_code == 200 and text == whole.json()["choices"][0]["text"]
+    from_p = metric(url, "kv_push_router_first_token_total", path="prefill") - sent0
+    figures("e2e", f"vLLM {stack['version']}: greedy streams whose first token came from P",
+            f"{from_p:.0f} of 7")
     assert metric(url, "kv_push_router_first_token_total", path="mismatch") == 0
 
 
