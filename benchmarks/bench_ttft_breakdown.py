@@ -11,7 +11,10 @@ to every system of the group, the order rotating by one per prompt; TTFT is meas
 client (first streamed chunk with a choice).
 
 Groups (``--groups``, from ``GROUPS``), each on its own freshly started P and D servers (the
-single server stays up), their systems side by side so that load drift weighs on all alike:
+single server stays up), their systems side by side so that load drift weighs on all alike.
+The systems of a group share a P or a D, so each system's requests carry their own
+``cache_salt`` (``--salt``, the default since 2026-12-04; earlier results were taken without
+it, and the second system to send a prompt found it in the shared server's prefix cache):
 
 * ``early``: ``early_prefill_done=auto`` (P announces a prefill when its step ran) against
   ``off`` (at ``request_finished``, one engine step later), one D;
@@ -106,9 +109,12 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: int) -> dict:
+def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
+                salt: str | None = None) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
+    if salt is not None:  # a prefix cache of its own per system (a P or D may serve several)
+        body["cache_salt"] = salt
     rec: dict[str, Any] = {"t_send": time.time()}
     t0 = time.perf_counter()
     try:
@@ -195,7 +201,8 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
     for i, prompt in enumerate(work):
         k = i % len(names)
         for system in names[k:] + names[:k]:
-            reqs[system].append(one_request(client, urls[system], prompt, args.max_tokens))
+            reqs[system].append(one_request(client, urls[system], prompt, args.max_tokens,
+                                            system if args.salt else None))
             time.sleep(args.gap_s)
     load1 = os.getloadavg()
     client.close()
@@ -299,6 +306,10 @@ def main() -> None:
     ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
     ap.add_argument("--groups", default="first,early,poll",
                     help=f"comma-separated, from {sorted(GROUPS)}")
+    ap.add_argument("--salt", action=argparse.BooleanOptionalAction, default=True,
+                    help="each system's requests carry their own cache_salt: systems sharing a "
+                    "P or a D (every group here) would otherwise meet each prompt a second time "
+                    "in that server's prefix cache (--no-salt: as runs before 2026-12-04)")
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"))
     ap.add_argument("--log-dir", default="")
@@ -366,6 +377,7 @@ def main() -> None:
                        "host": platform.node(), "cpus": os.cpu_count(),
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                        "requests": args.requests, "extra_config": extra, "notes": args.notes,
+                       "salt": args.salt,
                        "log_dir": str(log_dir)},
               "groups": groups}
     out = Path(args.out)
