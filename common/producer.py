@@ -192,11 +192,9 @@ class Producer:
         self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
         self._fragmentation_told: set[tuple[str, str]] = set()  # (engine, layout) warned about
         self.streams: dict[str, Any] = {}  # source key -> its layer-wise staged.Stream
-        self._completed: set[str] = set()  # stream keys whose prefill is complete (or failed)
         self._step_streams: list[str] = []  # streams started for the step now running
         self.deferred: dict[str, list[Pairing]] = {}  # stream key -> pairings waiting for it
         self._ending: dict[str, Any] = {}  # released stream sources whose packs still run
-        self._failed_streams: dict[str, str] = {}  # stream key -> why its prefill failed
         self._failures = itertools.count()
         self._next_sweep = 0.0  # time-outs are applied at most this often (not every step)
 
@@ -317,11 +315,10 @@ class Producer:
             if freed >= nbytes:
                 break
             stream = self.streams[key]
-            if (key not in self._completed or key in self._failed_streams
-                    or key in self.readers or not self.staged.stream_idle(stream)):
+            if (not stream.complete or stream.failure or key in self.readers
+                    or not self.staged.stream_idle(stream)):
                 continue
             del self.streams[key]
-            self._completed.discard(key)
             self.staged.end_stream(stream)
             self.ctx.counters.inc("layerwise_evicted")
             freed += stream.length
@@ -329,7 +326,8 @@ class Producer:
 
     def _in_progress(self, key: str) -> bool:
         """``key`` is a stream source whose prefill is not complete yet."""
-        return key in self.streams and key not in self._completed
+        stream = self.streams.get(key)
+        return stream is not None and not stream.complete
 
     def _complete_stream(self, key: str, ready: Any, failure: str = "") -> None:
         """A stream's prefill is complete (``prefill_done``), or ended without output
@@ -337,12 +335,12 @@ class Producer:
         stream = self.streams[key]
         if key in self._step_streams:
             self._step_streams.remove(key)
-        self._completed.add(key)
+        stream.complete = True
         self.staged.pack_rest(stream, ready)
         self.staged.note_ready(key, ready)
         src = self.sources[key]
         if failure:
-            self._failed_streams[key] = failure
+            stream.failure = failure
             spare = self.rdv.retire(key)
         for pairing in self.deferred.pop(key, []):
             if self._current(pairing.registration):
@@ -372,7 +370,7 @@ class Producer:
         prefill): its stream ends (what was written stays written) and the blocks are released
         once nothing reads them."""
         if key is not None:
-            if key in self.streams and key not in self._completed:
+            if self._in_progress(key):
                 self._complete_stream(key, None, failure=reason or "aborted")
                 return
             if key not in self.sources and key not in self._ending:
@@ -548,29 +546,27 @@ class Producer:
             self._resolve(reg)
             return
         jkey = (reg.request, reg.tp_rank, reg.attempt)
-        if src.key in self._failed_streams:
-            self._tell_failed(reg, f"prefill failed: {self._failed_streams[src.key]}", 0)
+        stream = self.streams.get(src.key)
+        if stream is not None and stream.failure:
+            self._tell_failed(reg, f"prefill failed: {stream.failure}", 0)
             self._resolve(reg)
             return
-        stream = self.streams.get(src.key)
+        send = None
         if stream is not None and jkey not in self.jobs:
-            send = self.staged.attach(stream, reg, peer)
-            if send is not None:
-                self.ctx.counters.inc("regions_written", len(send.chunks))
-                self._add_job(jkey, _Job(pairing, self.ctx.clock(), send.length,
-                                         self.staged.posts(send, reg, peer), staged=send))
-                return
-            if self._in_progress(src.key):  # the usual paths need the complete prefill
+            send = self.staged.attach(stream, reg, peer)  # its packed bytes, if they fit
+            if send is None and self._in_progress(src.key):
+                # the usual paths need the complete prefill
                 self.ctx.counters.inc("layerwise_fallback", label="layout")
                 self.deferred.setdefault(src.key, []).append(pairing)
                 return
-        if reg.slot is not None and self.staged is not None and jkey not in self.jobs:
+        if send is None and reg.slot is not None and self.staged is not None \
+                and jkey not in self.jobs:
             send = self.staged.start(src, reg, peer)
-            if send is not None:
-                self.ctx.counters.inc("regions_written", len(send.chunks))
-                self._add_job(jkey, _Job(pairing, self.ctx.clock(), send.length,
-                                         self.staged.posts(send, reg, peer), staged=send))
-                return
+        if send is not None:
+            self.ctx.counters.inc("regions_written", len(send.chunks))
+            self._add_job(jkey, _Job(pairing, self.ctx.clock(), send.length,
+                                     self.staged.posts(send, reg, peer), staged=send))
+            return
         try:
             plan = plan_writes(self.ctx.geometry, src.block_ids, peer.geometry, reg.block_ids,
                                first_token=reg.first_token, num_tokens=reg.num_tokens)
@@ -705,8 +701,6 @@ class Producer:
                 if self.staged is not None:
                     self.staged.forget(src.key)
                 stream = self.streams.pop(src.key, None)
-                self._completed.discard(src.key)
-                self._failed_streams.pop(src.key, None)
                 self.deferred.pop(src.key, None)
                 if stream is not None and not self.staged.stream_idle(stream):
                     self._ending[src.key] = stream  # released by ``tick`` once idle

@@ -253,10 +253,9 @@ class Stream:
     plan: StagingPlan
     prepared: Any
     packs: dict = field(default_factory=dict)  # layer -> handle of the pack that covers it
-    error: str = ""
-
-    def packed_layers(self) -> int:
-        return len(self.packs)
+    error: str = ""  # a pack failed: nothing more is packed or written from it
+    complete: bool = False  # its prefill is complete (``prefill_done``) or ended (``failure``)
+    failure: str = ""  # the prefill ended without output: pairings not yet written fail
 
 
 @dataclass(eq=False)

@@ -15,14 +15,7 @@
 # both benchmark runs (gpu_layerwise.log).
 set -uo pipefail
 OUT=${1:?out dir}; BUDGET=${2:-240}; BT=${3:-330}; shift 3 || shift $#
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-rm -rf /tmp/shim && mkdir -p /tmp/shim/kv_push
-for d in common gpu_push neuron_push; do ln -s "$PWD/$d" /tmp/shim/kv_push/$d; done
-cp kv_push/__init__.py /tmp/shim/kv_push/
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source scripts/h200_env.sh  # wheels, shim, PYTHONPATH, GPU info
 t0=$(date +%s)
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${PYTEST_TIMEOUT_S:-120}" python3 -P -m pytest -q -p no:cacheprovider -m cuda \

@@ -4,14 +4,7 @@
 #   bash scripts/h200_staged.sh OUT_DIR [PYTEST_TIMEOUT_S] [BENCH_BUDGET_S] [BENCH_TIMEOUT_S] [BENCH ARGS...]
 set -uo pipefail
 OUT=${1:?out dir}; PT=${2:-130}; BUDGET=${3:-320}; BT=${4:-430}; shift 4 || shift $#
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-rm -rf /tmp/shim && mkdir -p /tmp/shim/kv_push
-for d in common gpu_push neuron_push; do ln -s "$PWD/$d" /tmp/shim/kv_push/$d; done
-cp kv_push/__init__.py /tmp/shim/kv_push/
-export PYTHONPATH=/tmp/shim:/tmp/site PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+source scripts/h200_env.sh  # wheels, shim, PYTHONPATH, GPU info
 t0=$(date +%s)
 timeout "$PT" python3 -P -m pytest -q -p no:cacheprovider -m cuda tests/test_gpu_staged.py tests/test_staging_triton.py \
   tests/test_staging.py 2>&1 | tee "$OUT/gpu_staging.pytest.log" | tail -40

@@ -215,32 +215,24 @@ class FakeVLLM:
                 rec.completed = True
                 return
             if b.tokens is not None:
-                for i, data in enumerate(self._vllm_stream(rec.body, chat, rid)):
-                    if rec.disconnected:
-                        return
-                    if b.break_after is not None and i == b.break_after:
-                        raise ConnectionAbortedError("fake server died mid-stream")
-                    if i and b.chunk_interval:
-                        await asyncio.sleep(b.chunk_interval)
-                    rec.sent += data
-                    yield data
-                rec.sent += b"data: [DONE]\n\n"
-                rec.completed = True
-                yield b"data: [DONE]\n\n"
-                return
-            for i in range(b.n_chunks):
+                events = self._vllm_stream(rec.body, chat, rid)
+            else:
+                events = []
+                for i in range(b.n_chunks):
+                    if chat:
+                        choice: dict[str, Any] = {"index": 0,
+                                                  "delta": {"content": self._token(i)}}
+                    else:
+                        choice = {"index": 0, "text": self._token(i)}
+                    chunk = {"id": f"x-{rid}", "object": "chunk", "choices": [choice]}
+                    events.append(f"data: {json.dumps(chunk)}\n\n".encode())
+            for i, data in enumerate(events):
                 if rec.disconnected:
                     return
                 if b.break_after is not None and i == b.break_after:
                     raise ConnectionAbortedError("fake server died mid-stream")
                 if i and b.chunk_interval:
                     await asyncio.sleep(b.chunk_interval)
-                if chat:
-                    choice: dict[str, Any] = {"index": 0, "delta": {"content": self._token(i)}}
-                else:
-                    choice = {"index": 0, "text": self._token(i)}
-                chunk = {"id": f"x-{rid}", "object": "chunk", "choices": [choice]}
-                data = f"data: {json.dumps(chunk)}\n\n".encode()
                 rec.sent += data
                 yield data
             rec.sent += b"data: [DONE]\n\n"

@@ -37,6 +37,17 @@ def step_end(w: World):
         node.thread.submit(lambda prod=prod, m=marker: prod.step_saved(m))
 
 
+def first_chunk_out(w: World):
+    """D registers, the prefill starts, layers 0-1 (chunk 0) are reported: chunk 0 is written."""
+    w.expect()
+    w.settle()
+    start(w)
+    layer(w, 0)
+    layer(w, 1)
+    w.settle()
+    assert len(w.writes()) == 1
+
+
 def whole_step(w: World, layers=range(4)):
     """The step's layers reported one by one, then its end; the workers settle."""
     for i in layers:
@@ -110,13 +121,7 @@ def test_no_chunk_is_posted_before_its_packs_completed():
 
 def test_the_transfer_thread_does_not_spin_while_waiting_for_layers():
     w = World()
-    w.expect()
-    w.settle()
-    start(w)
-    layer(w, 0)
-    layer(w, 1)
-    w.settle()
-    assert len(w.writes()) == 1
+    first_chunk_out(w)
     assert w.producers[0].live()["jobs"] == 1 and not w.producers[0].busy()
     assert not w.producers[0].awaiting()  # the engine's next call wakes it
     layer(w, 2)
@@ -291,34 +296,22 @@ def test_an_aborted_request_that_was_not_streamed_is_released_at_once():
 
 
 def test_packs_still_running_hold_the_blocks_after_the_source_is_done():
-    w = World()
+    w = World(d_pool=0)  # region registration: the stream's packs are nobody's reader
     w.expect()
     w.settle()
     start(w)
+    w.p_ops[0].hold = True
     for i in range(4):
         layer(w, i)
-    w.settle()
-    w.p_ops[0].hold = True
-    step_end(w)  # nothing left to pack: no new op
+    step_end(w)
     w.prefill()
     w.settle()
-    assert w.released == [KEY]
-    w2 = World(d_pool=0)  # region registration: the stream's packs are nobody's reader
-    w2.expect()
-    w2.settle()
-    start(w2)
-    w2.p_ops[0].hold = True
-    for i in range(4):
-        layer(w2, i)
-    step_end(w2)
-    w2.prefill()
-    w2.settle()
-    assert w2.outcomes() == [Outcome("d-1", "received")]
-    assert w2.released == [] and w2.producers[0].live()["streams"] == 1
-    assert w2.producers[0].busy()  # it polls the packs
-    w2.p_ops[0].finish()
-    w2.settle()
-    assert w2.released == [KEY] and w2.idle() and w2.p_pool().used_bytes == 0
+    assert w.outcomes() == [Outcome("d-1", "received")]
+    assert w.released == [] and w.producers[0].live()["streams"] == 1
+    assert w.producers[0].busy()  # it polls the packs
+    w.p_ops[0].finish()
+    w.settle()
+    assert w.released == [KEY] and w.idle() and w.p_pool().used_bytes == 0
 
 
 def test_a_router_release_while_streaming_waits_for_the_prefill():
@@ -368,13 +361,7 @@ def test_decoder_tp2_from_producer_tp1_waits_for_the_complete_prefill():
 
 def test_a_decoder_dying_mid_stream_frees_everything_once_the_prefill_is_done():
     w = World()
-    w.expect()
-    w.settle()
-    start(w)
-    layer(w, 0)
-    layer(w, 1)
-    w.settle()
-    assert len(w.writes()) == 1
+    first_chunk_out(w)
     peer = w.p_nodes[0].thread.peers["D0"]
     w.p_nodes[0].thread.drop_peer(peer, "lifeline closed")
     w.settle()

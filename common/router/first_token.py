@@ -182,12 +182,10 @@ class DecodeFilter:
                 self.done = True  # D ended (or failed) before its first token: pass it on
             return raw + b"\n\n"
         choice = obj["choices"][0]
+        delta = choice.get("delta") or {}
         if self.chat:
-            delta = choice.get("delta") or {}
             delta.pop("role", None)  # the client has P's role chunk
-            text = delta.get("content") or ""
-        else:
-            text = choice.get("text") or ""
+        text = _choice_text(choice, self.chat)
         if text:
             n = min(len(text), len(self.remaining))
             if text[:n] != self.remaining[:n]:
