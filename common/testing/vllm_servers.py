@@ -79,9 +79,16 @@ class Server:
         # PYTHONSAFEPATH: `python -m ...` must not put the working directory first on sys.path,
         # where a checkout's bare kv_push/ folder would hide the kv_push under test (kvtest's
         # shim on PYTHONPATH, or the installed one)
+        # process_group=0: a process group of its own (stop() signals the whole server), in
+        # the caller's session. Not a session of its own: with the kernel's autogroup
+        # scheduling (sched_autogroup_enabled, on by default) each session is one scheduling
+        # group, and on a box with fewer cores than busy processes (a vLLM worker busy-polls its
+        # queue for 1 s after each step) a server's woken API process then waited 50-350 ms
+        # for a CPU held by another server's group: TTFT outliers that were the box's, not ours
+        # (docs/router.md, "Where the TTFT goes").
         self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
                                      stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, process_group=0)
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
