@@ -24,6 +24,19 @@ it, and the second system to send a prompt found it in the shared server's prefi
   (the router's ``--first-token-from-prefill auto``) against from D's stream (``off``, the
   router's default).
 
+Measuring on a small box (2 cores here; ``--pin``, ``--gap-s``, as of 2026-12-04 16:00):
+
+* each server's every process (API server, engine core, worker) runs on its core
+  (``--pin server``): with only the workers pinned, the single server's API process had the
+  other core to itself while P's and D's shared both with two workers and each other, and D's
+  engine, which steps every millisecond while a request waits for its KV, slowed P down --
+  costs of sharing one box, not of P/D (P and D run on machines of their own);
+* requests are 1.2 s apart (``--gap-s``): a vLLM worker busy-polls its queue for 1 s after
+  each step (``shm_broadcast.SpinCondition``), so with short gaps the system served last
+  slowed down the next one on the same core (the single server shares core 0 with P);
+* the servers run in the bench's session (``vllm_servers.Server``): in sessions of their own,
+  the kernel's autogroup scheduling made a woken API process wait 50-350 ms for a core.
+
 Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push request
 (``common/timing.py`` lists them) are matched to it by the router's ``router_in`` stamp inside
 the client's request window, and reported as milliseconds since the client sent the request
@@ -33,7 +46,7 @@ Output: ``--out`` (JSON, every request's TTFT and stages) and the same path with
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_ttft_breakdown.py                 # ~5-8 min here
+    .venv/bin/python benchmarks/bench_ttft_breakdown.py                 # ~8-10 min here
     .venv/bin/python benchmarks/bench_ttft_breakdown.py --requests 10 --groups early
 """
 
@@ -249,8 +262,10 @@ def write_md(path: Path, result: dict) -> None:
         f"`{m['command']}` at {m['date']} ({m['notes'] or 'commit ' + m['commit']}), vLLM CPU "
         f"build, tiny model (block 128), prompt {m['prompt_len']} tokens, {m['max_tokens']} "
         f"output tokens (streamed), {m['requests']} requests per system, one at a time, each "
-        "prompt to every system of its group in rotating order. "
-        f"{m['cpus']} cores shared with other work: see the load averages.",
+        f"prompt to every system of its group in rotating order, {m.get('gap_s', 0.05)} s "
+        "apart; " + ("each server's every process on its core (`--pin server`)"
+                     if m.get("pin") == "server" else "only the servers' workers pinned") +
+        f". {m['cpus']} cores: see the load averages.",
         "",
         "| group | system | single p50 | push p50 | p50 ratio | single p90 | push p90 | "
         "p90 ratio | single p25 / min | push p25 / min | load (1 min) |",
@@ -303,7 +318,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=400,
                     help="token ids drawn below this (the tiny model has 462)")
-    ap.add_argument("--gap-s", type=float, default=0.05, help="pause between requests")
+    ap.add_argument("--gap-s", type=float, default=1.2,
+                    help="pause between requests: over 1 s, so every vLLM worker has stopped "
+                    "busy-polling (it polls its queue for 1 s after each step) before the next "
+                    "request starts (runs before 2026-12-04 16:00 used 0.05)")
+    ap.add_argument("--pin", choices=("server", "worker"), default="server",
+                    help="server: each server's every process (API server, engine core, "
+                    "worker) on its core, as on a machine of its own; worker: only the worker "
+                    "(as before 2026-12-04 16:00: the single server's API process then had the "
+                    "other core to itself, P's and D's shared both)")
     ap.add_argument("--groups", default="first,early,poll",
                     help=f"comma-separated, from {sorted(GROUPS)}")
     ap.add_argument("--salt", action=argparse.BooleanOptionalAction, default=True,
@@ -331,13 +354,15 @@ def main() -> None:
         kv = free_port()
         srv = vllm_server(name, python=args.python, model=str(model), port=free_port(),
                           cpu=cpu, log_dir=log_dir, kv_role=role, kv_port=kv,
-                          extra_config={**extra, **cfg}, extra_env=env, max_model_len=1024)
+                          extra_config={**extra, **cfg}, extra_env=env, max_model_len=1024,
+                          whole_server_on_cpu=args.pin == "server")
         servers.append(srv)
         return srv, kv
 
     try:
         single = vllm_server("single", python=args.python, model=str(model), port=free_port(),
-                             cpu=0, log_dir=log_dir, max_model_len=1024)
+                             cpu=0, log_dir=log_dir, max_model_len=1024,
+                             whole_server_on_cpu=args.pin == "server")
         servers.append(single)
         fresh = [single]
         for gname in args.groups.split(","):
@@ -377,7 +402,7 @@ def main() -> None:
                        "host": platform.node(), "cpus": os.cpu_count(),
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                        "requests": args.requests, "extra_config": extra, "notes": args.notes,
-                       "salt": args.salt,
+                       "salt": args.salt, "gap_s": args.gap_s, "pin": args.pin,
                        "log_dir": str(log_dir)},
               "groups": groups}
     out = Path(args.out)

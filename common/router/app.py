@@ -838,6 +838,11 @@ def main(argv: list[str] | None = None) -> None:
     config, log_level = parse_args(argv)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every leg at INFO ("HTTP Request: POST ..."): two lines per request on the
+    # critical path, next to uvicorn's access line for the client's request; --log-level debug
+    # keeps them
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info("mode=%s prefill=%s decode=%s", config.mode,
                 [f"{p.url} (kv {p.kv})" for p in config.prefill], list(config.decode))
     uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=log_level)

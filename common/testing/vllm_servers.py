@@ -155,9 +155,14 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
                 extra_config: dict | None = None, extra_env: dict | None = None,
                 max_model_len: int = 1024, by_name: bool = False,
                 engine_id: str | None = None, dtype: str | None = "default", tp: int = 1,
-                block_size: int | None = None, kv_config: dict | None = None) -> Server:
+                block_size: int | None = None, kv_config: dict | None = None,
+                whole_server_on_cpu: bool = False) -> Server:
     """A ``vllm serve`` of ``model`` on ``port``, its OpenMP threads bound to core ``cpu``
     (``tp`` ranks: one per entry of ``cpu`` given as ``"0|1"``, or all on ``cpu``).
+
+    ``whole_server_on_cpu``: its API server and engine core too (``taskset``), not only the
+    worker: on a box with fewer cores than busy processes, each server then competes for its
+    own core(s) only, as it would on a machine of its own (``bench_ttft_breakdown.py``).
 
     ``dtype``: ``"default"`` takes ``server_dtype()`` (float16 on AMX CPUs), None the model's.
     ``kv_config``: more top-level ``--kv-transfer-config`` keys (``kv_load_failure_policy``).
@@ -197,6 +202,8 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
         cfg.update(kv_config or {})
         argv += ["--kv-transfer-config", json.dumps(cfg)]
     env.update(extra_env or {})
+    if whole_server_on_cpu:
+        argv = ["taskset", "-c", bind.replace("|", ","), *argv]
     return Server(name, argv, env, port, log_dir)
 
 
