@@ -85,7 +85,7 @@ class Server:
         # group, and on a box with fewer cores than busy processes (a vLLM worker busy-polls its
         # queue for 1 s after each step) a server's woken API process then waited 50-350 ms
         # for a CPU held by another server's group: TTFT outliers that were the box's, not ours
-        # (docs/router.md, "Where the TTFT goes").
+        # (README, "TTFT breakdown").
         self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
                                      stdout=self._log,
                                      stderr=subprocess.STDOUT, process_group=0)
