@@ -322,6 +322,9 @@ def main() -> None:
                     help="pause between requests: over 1 s, so every vLLM worker has stopped "
                     "busy-polling (it polls its queue for 1 s after each step) before the next "
                     "request starts (runs before 2026-12-04 16:00 used 0.05)")
+    ap.add_argument("--timing", action=argparse.BooleanOptionalAction, default=True,
+                    help="P, D and the routers write their stage lines (the breakdown); "
+                    "--no-timing: TTFT only, without the stamps' own cost (a log line each)")
     ap.add_argument("--pin", choices=("server", "worker"), default="server",
                     help="server: each server's every process (API server, engine core, "
                     "worker) on its core, as on a machine of its own; worker: only the worker "
@@ -345,7 +348,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(REPO / ".work" / "tiny-model")
     extra = json.loads(args.extra_config)
-    env = {timing.ENV: "1"}
+    env = {timing.ENV: "1"} if args.timing else {}
     work = prompts(args.requests, args.prompt_len, args.vocab, seed=1234)
     servers: list[Server] = []
     groups: list[dict] = []
@@ -403,6 +406,7 @@ def main() -> None:
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                        "requests": args.requests, "extra_config": extra, "notes": args.notes,
                        "salt": args.salt, "gap_s": args.gap_s, "pin": args.pin,
+                       "timing": args.timing,
                        "log_dir": str(log_dir)},
               "groups": groups}
     out = Path(args.out)
