@@ -106,7 +106,7 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: bool = False,
                   prefill_opts: str = "", p_tp: int = 1, side_channels: bool = True,
-                  release_timeout: float = 5.0, first_token: str = "off"
+                  release_timeout: float = 5.0, first_token: str = "off", timeout: float = 10.0
                   ) -> AsyncIterator[Cluster]:
     """Fake P/D servers plus a router in front of them, all on loopback ports; with
     ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder."""
@@ -120,7 +120,7 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
     config = RouterConfig(
         prefill=tuple(parse_prefill_spec(f"{url},kv=127.0.0.1:{KV_BASE_PORT + i}{prefill_opts}")
                       for i, (_, url) in enumerate(p_socks)),
-        decode=tuple(d_urls), mode=mode, timeout=10.0, release_timeout=release_timeout,
+        decode=tuple(d_urls), mode=mode, timeout=timeout, release_timeout=release_timeout,
         first_token_from_prefill=first_token)
     app = build_app(config)
     r_sock, r_url = bind()
@@ -158,8 +158,11 @@ def all_idle(c: Cluster) -> bool:
     backends = c.router.prefill_pool.backends + c.router.decode_pool.backends
     leftovers = [t for t in asyncio.all_tasks()
                  if getattr(t.get_coro(), "__name__", None) in _ROUTER_COROUTINES]
+    # the legs' aiohttp pool: no connection still checked out (a response never released)
+    legs = c.router.legs
+    checked_out = len(getattr(legs.connector, "_acquired", ())) if legs is not None else 0
     return (all(b.outstanding == 0 for b in backends) and not c.router._background
-            and not leftovers)
+            and not leftovers and checked_out == 0)
 
 
 async def post(c: Cluster, endpoint: str, body: dict) -> tuple[int, bytes, httpx.Headers]:
@@ -608,6 +611,25 @@ async def test_decode_down_gives_502_and_cancels_prefill():
         m = await c.metrics()
         assert m[("kv_push_router_upstream_errors_total",
                   (("kind", "connect"), ("leg", "decode")))] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_silent_decode_server_is_a_timeout(stream):
+    """D sends nothing for longer than the router's time-out: the client gets 504 (not a hang,
+    not a 502), counted as a decode-leg time-out; D's leg is closed, P let go."""
+    async with cluster(timeout=0.3) as c:
+        (d,) = c.decodes
+        d.behavior.delay = 3.0
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=stream))
+        assert status == 504, data
+        err = json.loads(data)["error"]
+        assert err["type"] == "decode_error" and err["message"] == "the decode server timed out"
+        await eventually(lambda: all_idle(c), "router to be idle")
+        await eventually(lambda: all(rec.disconnected or rec.completed for rec in d.records),
+                         "D leg closed")
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "timeout"), ("leg", "decode")))] == 1
 
 
 async def test_client_disconnect_mid_stream_cancels_both_legs():

@@ -179,8 +179,9 @@ class LegResponse:
             self._resp.close()
 
 
-#: what a leg's transport raises (aiohttp's timeouts are ``TimeoutError``\ s too)
-LEG_ERRORS = (aiohttp.ClientError, TimeoutError)
+#: what a leg's transport raises (aiohttp's timeouts are ``asyncio.TimeoutError``\ s too: the
+#: built-in ``TimeoutError`` from Python 3.11, a class of its own on 3.10)
+LEG_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def _upstream_message(resp: httpx.Response | LegResponse) -> tuple[str, dict | None]:
@@ -428,11 +429,15 @@ class Router:
             limits=httpx.Limits(max_connections=c.max_connections,
                                 max_keepalive_connections=min(256, c.max_connections)),
         )
+        # connect: waiting for a free connection of the pool, and connecting (as httpx's pool
+        # time-out was `timeout`); sock_read: no bytes for `timeout` seconds; trust_env: the
+        # proxy variables apply to the legs as to the httpx client's probes
         self.legs = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=c.connect_timeout,
-                                          sock_read=c.timeout),
-            skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
+            timeout=aiohttp.ClientTimeout(total=None, connect=c.timeout,
+                                          sock_connect=c.connect_timeout, sock_read=c.timeout),
+            skip_auto_headers=("Accept-Encoding",), auto_decompress=False,  # bytes as sent
+            trust_env=True)
 
     async def stop(self) -> None:
         await self.releaser.close()
@@ -466,7 +471,7 @@ class Router:
         elif isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout
                         | aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
             kind, status, msg = "connect", 502, f"cannot connect to {server}"
-        elif isinstance(exc, TimeoutError):  # aiohttp: no bytes for `timeout` seconds
+        elif isinstance(exc, asyncio.TimeoutError):  # aiohttp: no bytes for `timeout` s
             kind, status, msg = "timeout", 504, f"{server} timed out"
         elif isinstance(exc, EmptyStream):
             kind, status, msg = "empty_stream", 502, (
@@ -526,7 +531,7 @@ class Router:
         try:
             try:
                 resp = LegResponse(await self.legs.post(url + ex.endpoint, json=body,
-                                                        headers=headers))
+                                                        headers=headers, allow_redirects=False))
                 try:
                     await resp.aread()
                 finally:
@@ -556,7 +561,7 @@ class Router:
         url = ex.d.backend.url
         try:
             resp = LegResponse(await self.legs.post(url + ex.endpoint, json=body,
-                                                    headers=headers))
+                                                    headers=headers, allow_redirects=False))
         except LEG_ERRORS as exc:
             raise self.failure(ex, "decode", url, exc) from None
         try:

@@ -106,9 +106,9 @@ class RouterConfig:
     mode: str = "push"
     host: str = "127.0.0.1"
     port: int = 8000
-    timeout: float = 300.0  # read/write/pool timeout of upstream requests, seconds
+    timeout: float = 300.0  # upstream requests: read time-out and pool wait, seconds
     connect_timeout: float = 10.0
-    max_connections: int = 1024  # size of the shared httpx connection pool
+    max_connections: int = 1024  # size of each upstream connection pool (legs; probes)
     health_probe_timeout: float = 2.0
     #: (push) bound of each socket operation of a release to a P side channel, seconds
     release_timeout: float = 5.0

@@ -86,9 +86,11 @@ class Server:
         # queue for 1 s after each step) a server's woken API process then waited 50-350 ms
         # for a CPU held by another server's group: TTFT outliers that were the box's, not ours
         # (README, "TTFT breakdown").
+        group = ({"process_group": 0} if sys.version_info >= (3, 11)
+                 else {"preexec_fn": os.setpgrp})
         self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
-                                     stdout=self._log,
-                                     stderr=subprocess.STDOUT, process_group=0)
+                                     stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, **group)
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
