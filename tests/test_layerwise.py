@@ -37,14 +37,19 @@ def step_end(w: World):
         node.thread.submit(lambda prod=prod, m=marker: prod.step_saved(m))
 
 
-def first_chunk_out(w: World):
-    """D registers, the prefill starts, layers 0-1 (chunk 0) are reported: chunk 0 is written."""
+def first_chunk_reported(w: World):
+    """D registers, the prefill starts, layers 0-1 (chunk 0) are reported."""
     w.expect()
     w.settle()
     start(w)
     layer(w, 0)
     layer(w, 1)
     w.settle()
+
+
+def first_chunk_out(w: World):
+    """As :func:`first_chunk_reported`, and chunk 0 is written."""
+    first_chunk_reported(w)
     assert len(w.writes()) == 1
 
 
@@ -103,12 +108,7 @@ def test_chunks_go_out_while_the_prefill_runs():
 def test_no_chunk_is_posted_before_its_packs_completed():
     w = World()
     w.p_ops[0].hold = True
-    w.expect()
-    w.settle()
-    start(w)
-    layer(w, 0)
-    layer(w, 1)
-    w.settle()
+    first_chunk_reported(w)
     assert w.writes() == []
     assert not w.producers[0].busy() and w.producers[0].awaiting()  # polls, no spin
     w.p_ops[0].of("pack")[0].done = True

@@ -250,9 +250,7 @@ class PrefillFirstStream:
             ex.outcome = "decode_error"
             yield _error_event(err.message, err.error_type, err.status, b"")
             return
-        ex.decode_output = d.output
-        if router.config.mode == "push" and d.resp.status_code < 400:
-            router.compat.worked(ex.p.backend.url, ex.d.backend.url)
+        router.decode_answered(ex, d)
         filt = DecodeFilter(self._text, self._chat)
         try:
             out = filt.feed(d.first)
@@ -460,18 +458,16 @@ class Router:
         OpenAI-style error body goes to the client as the backend wrote it."""
         server, body = f"the {leg} server", None
         response = isinstance(exc, httpx.Response | LegResponse)
-        if isinstance(exc, httpx.Response | LegResponse):
+        if response:
             kind, status = f"http_{exc.status_code // 100}xx", exc.status_code
             upstream, error_body = _upstream_message(exc)
             msg = f"{server} returned HTTP {status}: {without_addresses(upstream)}"
             if status < 500:
                 body = error_body
-        elif isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-            kind, status, msg = "timeout", 504, f"{server} timed out"
         elif isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout
                         | aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
             kind, status, msg = "connect", 502, f"cannot connect to {server}"
-        elif isinstance(exc, asyncio.TimeoutError):  # aiohttp: no bytes for `timeout` s
+        elif isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError):  # (not connecting)
             kind, status, msg = "timeout", 504, f"{server} timed out"
         elif isinstance(exc, EmptyStream):
             kind, status, msg = "empty_stream", 502, (
@@ -493,6 +489,13 @@ class Router:
         if self.config.first_token_from_prefill == "off":
             return "off"
         return ineligible(body, chat=endpoint.endswith("chat/completions"))
+
+    def decode_answered(self, ex: Exchange, d: DecodeStream) -> None:
+        """D's leg answered: note whether it produced output, and (push mode) that
+        this P/D pair works."""
+        ex.decode_output = d.output
+        if self.config.mode == "push" and d.status_code < 400:
+            self.compat.worked(ex.p.backend.url, ex.d.backend.url)
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:
@@ -538,17 +541,15 @@ class Router:
                     await resp.aclose()
                 if resp.status_code >= 400:
                     raise self.failure(ex, "prefill", url, resp)
+                if timing.ENABLED:
+                    timing.stamp("router_p_done", ex.tid)
                 if body.get("stream"):  # one token, streamed: its events (first_token.py)
-                    if timing.ENABLED:
-                        timing.stamp("router_p_done", ex.tid)
                     return {"sse": resp.content}
                 data = resp.json()
                 if not isinstance(data, dict):
                     raise ValueError("response is not a JSON object")
             except (*LEG_ERRORS, ValueError) as exc:
                 raise self.failure(ex, "prefill", url, exc) from None
-            if timing.ENABLED:
-                timing.stamp("router_p_done", ex.tid)
             if self.config.mode == "upstream-push":
                 self._learn_peer(url, data.get("kv_transfer_params"))
             return data
@@ -709,7 +710,7 @@ class Router:
             d_body = dict(ex.body, kv_transfer_params=d_params) if d_params else ex.body
             ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
             stream = await self._await(ex, ex.d_task)
-            ex.decode_output = stream.output
+            self.decode_answered(ex, stream)
             self._first_token_sent(ex, "decode", ex.first_token_off or "")
             return stream
 
@@ -733,11 +734,9 @@ class Router:
                 raise ClientGone
             if ex.d_task in done:
                 stream = ex.d_task.result()  # a D failure raises here; close() cancels P
-                ex.decode_output = stream.output
+                self.decode_answered(ex, stream)
                 self._first_token_sent(ex, "decode", first_reason or ex.first_token_off or
                                        "decode_first")
-                if self.config.mode == "push" and stream.resp.status_code < 400:
-                    self.compat.worked(ex.p.backend.url, ex.d.backend.url)
                 if ex.p_task.done():
                     self._note_late_prefill(ex.p_task)
                 else:
