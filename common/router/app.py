@@ -146,8 +146,9 @@ class EmptyStream(Exception):
 class LegResponse:
     """A leg's response from the aiohttp session (``Router.legs``), with what the router reads
     of it. The legs go through aiohttp, not httpx: on this project's 2-core box httpx's
-    per-request machinery (anyio cancel scopes, its pool's locks) took 1.6 ms per pair of legs
-    against aiohttp's 0.4 ms, on the TTFT critical path (README, "TTFT breakdown")."""
+    per-request machinery (anyio cancel scopes, its pool's locks) took 2.15 ms per pair of legs
+    against aiohttp's 0.44 ms, on the TTFT critical path
+    (``benchmarks/bench_router_overhead.py``)."""
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""What the router adds to a request's TTFT, without vLLM (issue 12 item 4).
+
+Two instant fake upstreams in one raw-asyncio process (no web framework: a P that answers the
+one-token JSON, a D that streams four SSE chunks) on core 1, the real ``kv-push-router``
+(push mode) on core 0, the client floating. Two measurements, both written to ``--out``:
+
+* ``hop``: a streaming completion straight to the fake D vs through the router (TTFT at the
+  client: first ``data:`` line), alternating, ``--requests`` each; the difference is what the
+  router's two HTTP hops and its dispatch cost;
+* ``clients``: the router's leg pattern (P's POST read whole, D's streaming POST to its first
+  chunk, concurrently) with an httpx ``AsyncClient`` vs an aiohttp ``ClientSession`` on one
+  uvloop, ``--requests`` pairs each: why the legs use aiohttp (``common/router/app.py``,
+  ``LegResponse``).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_router_overhead.py          # ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_CHUNK = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m"}
+SSE = b"".join(
+    b"data: " + json.dumps(dict(_CHUNK, choices=[{"index": 0, "text": f"t{i} ",
+                                                   "finish_reason": None if i < 3 else "length"}]
+                                )).encode() + b"\n\n" for i in range(4)) + b"data: [DONE]\n\n"
+P_JSON = json.dumps(dict(_CHUNK, choices=[{"index": 0, "text": "t0 ", "finish_reason": "length"}],
+                         kv_transfer_params={"transfer_mode": "push"})).encode()
+
+
+async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: str):
+    try:
+        while True:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            lines = head.split("\r\n")
+            length = next((int(h.split(":", 1)[1]) for h in lines[1:]
+                           if h.lower().startswith("content-length:")), 0)
+            body = await reader.readexactly(length) if length else b""
+            if lines[0].split()[1].startswith("/health"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            elif role == "p" and b'"stream": true' not in body and b'"stream":true' not in body:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % len(P_JSON) + P_JSON)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n"
+                             + b"%x\r\n" % len(SSE) + SSE + b"\r\n0\r\n\r\n")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
+async def _fakes() -> None:
+    p = await asyncio.start_server(lambda r, w: _serve_one(r, w, "p"), "127.0.0.1", 0)
+    d = await asyncio.start_server(lambda r, w: _serve_one(r, w, "d"), "127.0.0.1", 0)
+    print(f"http://127.0.0.1:{p.sockets[0].getsockname()[1]}",
+          f"http://127.0.0.1:{d.sockets[0].getsockname()[1]}", flush=True)
+    await asyncio.Event().wait()
+
+
+def _stats(v: list[float]) -> dict:
+    v = sorted(v)
+    return {"n": len(v), "p50_ms": statistics.median(v), "p90_ms": v[int(len(v) * 0.9)],
+            "min_ms": v[0]}
+
+
+def hop(p_url: str, d_url: str, n: int) -> dict:
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    router = subprocess.Popen(
+        ["taskset", "-c", "0", sys.executable, "-m", "kv_push.common.router", "--port",
+         str(port), "--mode", "push", "--prefill", f"{p_url},kv=127.0.0.1:9", "--decode", d_url,
+         "--log-level", "warning"], cwd=REPO, env={**os.environ, "PYTHONSAFEPATH": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        r_url = f"http://127.0.0.1:{port}"
+        client = httpx.Client(timeout=30)
+        for _ in range(100):
+            try:
+                if client.get(r_url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        body = {"model": "m", "prompt": "hello " * 300, "max_tokens": 4, "temperature": 0,
+                "stream": True}
+
+        def ttft(url: str) -> float:
+            t = time.perf_counter()
+            first = None
+            with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if first is None and line.startswith("data: {"):
+                        first = (time.perf_counter() - t) * 1000
+            assert first is not None, "no chunk streamed"
+            return first
+
+        for _ in range(20):
+            ttft(d_url), ttft(r_url)
+        direct, routed = [], []
+        for _ in range(n):
+            direct.append(ttft(d_url))
+            routed.append(ttft(r_url))
+        out = {"direct": _stats(direct), "router": _stats(routed)}
+        out["added_p50_ms"] = out["router"]["p50_ms"] - out["direct"]["p50_ms"]
+        return out
+    finally:
+        router.kill()
+        router.wait()
+
+
+def clients(p_url: str, d_url: str, n: int) -> dict:
+    import aiohttp
+    import httpx
+    import uvloop
+    body = {"model": "m", "prompt": "hello " * 300, "max_tokens": 1, "stream": False}
+    dbody = dict(body, stream=True, max_tokens=4)
+
+    async def pairs(post_p, open_d) -> list[float]:
+        times = []
+        for i in range(n + 30):
+            t = time.perf_counter()
+            await asyncio.gather(post_p(), open_d())
+            if i >= 30:  # warm-up
+                times.append((time.perf_counter() - t) * 1000)
+        return times
+
+    async def with_httpx() -> list[float]:
+        async with httpx.AsyncClient() as c:
+            async def post_p():
+                (await c.post(p_url + "/v1/completions", json=body)).json()
+
+            async def open_d():
+                r = await c.send(c.build_request("POST", d_url + "/v1/completions",
+                                                 json=dbody), stream=True)
+                async for chunk in r.aiter_bytes():
+                    if chunk:
+                        break
+                await r.aclose()
+            return await pairs(post_p, open_d)
+
+    async def with_aiohttp() -> list[float]:
+        async with aiohttp.ClientSession() as c:
+            async def post_p():
+                async with c.post(p_url + "/v1/completions", json=body) as r:
+                    await r.json()
+
+            async def open_d():
+                async with c.post(d_url + "/v1/completions", json=dbody) as r:
+                    async for chunk in r.content.iter_any():
+                        if chunk:
+                            break
+            return await pairs(post_p, open_d)
+
+    async def main() -> dict:
+        out: dict = {"httpx": [], "aiohttp": []}
+        for _ in range(2):  # alternating passes
+            out["httpx"] += await with_httpx()
+            out["aiohttp"] += await with_aiohttp()
+        return {k: _stats(v) for k, v in out.items()}
+
+    os.sched_setaffinity(0, {0})
+    try:
+        return uvloop.run(main())
+    finally:
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "router_overhead.json"))
+    args = ap.parse_args()
+    fakes = subprocess.Popen(["taskset", "-c", "1", sys.executable, __file__, "--fakes"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        p_url, d_url = fakes.stdout.readline().split()
+        load0 = os.getloadavg()
+        result = {"hop": hop(p_url, d_url, args.requests),
+                  "clients": clients(p_url, d_url, args.requests)}
+        load1 = os.getloadavg()
+    finally:
+        fakes.kill()
+        fakes.wait()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      "commit": commit, "host": platform.node(), "cpus": os.cpu_count(),
+                      "requests": args.requests, "loadavg_before": load0,
+                      "loadavg_after": load1}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    h, c = result["hop"], result["clients"]
+    print(f"TTFT direct {h['direct']['p50_ms']:.2f} ms, through the router "
+          f"{h['router']['p50_ms']:.2f} ms (added {h['added_p50_ms']:.2f} ms, p50); leg pair: "
+          f"httpx {c['httpx']['p50_ms']:.2f} ms, aiohttp {c['aiohttp']['p50_ms']:.2f} ms; "
+          f"wrote {out}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--fakes"]:
+        asyncio.run(_fakes())
+    else:
+        main()
