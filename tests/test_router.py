@@ -134,7 +134,9 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
             else:
                 recorders = [SideChannelRecorder(KV_BASE_PORT + i) for i in range(n_p)]
         async with serve_all(apps + [(app, r_sock)]):
-            async with httpx.AsyncClient(base_url=r_url, timeout=10) as client:
+            # trust_env off: the test's own client never goes through a proxy variable a test
+            # sets for the router's legs
+            async with httpx.AsyncClient(base_url=r_url, timeout=10, trust_env=False) as client:
                 yield Cluster(prefills, decodes, app.state.router, client, recorders)
     finally:
         for rec in recorders:
@@ -1071,3 +1073,66 @@ async def test_n_samples_are_one_prefill_with_fanout(monkeypatch):
         assert [r.body.get("n") for r in p.records[1:]] == [2, 1]
         assert all("fanout" not in r.kv for r in p.records[1:])
         await eventually(lambda: all_idle(c), "router to be idle")
+
+
+class RecordingProxy:
+    """A plain-HTTP forward proxy on loopback: takes absolute-form requests
+    (``POST http://host:port/path``), records their URLs, and relays each connection to its
+    target byte for byte."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        method, url, rest = head.split(b" ", 2)
+        self.urls.append(url.decode())
+        target = httpx.URL(url.decode())
+        up_r, up_w = await asyncio.open_connection(target.host, target.port)
+        up_w.write(b" ".join((method, target.raw_path, rest)))
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+
+@pytest.mark.parametrize("no_proxy", [False, True])
+async def test_the_legs_honour_the_proxy_variables(monkeypatch, no_proxy: bool):
+    """Proxy variables are read once, at start (aiohttp's trust_env reread them and ~/.netrc in
+    a thread for every leg): with ``http_proxy`` both legs go through the proxy, with
+    ``no_proxy`` naming the backends' host neither does."""
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    proxy = RecordingProxy()
+    async with proxy as proxy_url:
+        monkeypatch.setenv("http_proxy", proxy_url)
+        if no_proxy:
+            monkeypatch.setenv("no_proxy", "127.0.0.1")
+        async with cluster() as c:
+            (p,), (d,) = c.prefills, c.decodes
+            status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+            assert status == 200 and data == d.records[0].sent
+            await eventually(lambda: all_idle(c), "router to be idle")
+            if no_proxy:
+                assert proxy.urls == []
+            else:
+                p_url = c.router.prefill_pool.backends[0].url
+                d_url = c.router.decode_pool.backends[0].url
+                assert sorted(proxy.urls) == sorted([p_url + "/v1/completions",
+                                                     d_url + "/v1/completions"])
+                assert all(b.proxy == proxy_url for b in
+                           c.router.prefill_pool.backends + c.router.decode_pool.backends)

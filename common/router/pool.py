@@ -23,6 +23,7 @@ class Backend:
     def __init__(self, role: str, url: str, gauge: Any, spec: PrefillSpec | None = None) -> None:
         self.role, self.url, self.spec, self.outstanding = role, url, spec, 0
         self._gauge = gauge
+        self.proxy: str | None = None  # the legs' proxy from the environment (Router.start)
         gauge.set(0)
 
     def add(self, delta: int) -> None:
