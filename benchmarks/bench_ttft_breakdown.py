@@ -42,6 +42,11 @@ Every P/D component runs with ``KV_PUSH_TIMING=1``; the stage lines of each push
 the client's request window, and reported as milliseconds since the client sent the request
 (median over requests), with the segments between consecutive stages.
 
+Around each request the bench also reads how long the client's, the router's and each server's
+threads were runnable but had no core (``/proc/<pid>/task/<tid>/schedstat``, the kernel's run
+delay): on this box P's and D's cores are busy while a push request runs, and the router and the
+client get only what is left, where the single server's client has the other core to itself.
+
 Output: ``--out`` (JSON, every request's TTFT and stages) and the same path with ``.md``.
 
 Usage::
@@ -123,7 +128,7 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
-                salt: str | None = None) -> dict:
+                salt: str | None = None, on_first: Any = None) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     if salt is not None:  # a prefix cache of its own per system (a P or D may serve several)
@@ -142,6 +147,8 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
                 if "ttft" not in rec and '"choices"' in line and '"text"' in line:
                     rec["ttft"] = time.perf_counter() - t0
                     rec["t_first"] = time.time()
+                    if on_first is not None:
+                        on_first(rec)
         rec["e2e"] = time.perf_counter() - t0
         rec["t_end"] = time.time()
     except httpx.HTTPError as e:
@@ -149,6 +156,39 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
     if "ttft" not in rec and "error" not in rec:
         rec["error"] = "no token streamed"
     return rec
+
+
+def process_group(pgid: int) -> list[int]:
+    """The processes of the process group ``pgid`` (a server and everything it spawned)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                pids.append(int(entry))
+    return pids
+
+
+def cpu_wait_ns(pids: list[int]) -> int:
+    """Time the threads of ``pids`` have spent runnable but waiting for a CPU (the kernel's
+    ``schedstat`` run delay), summed."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return total
 
 
 def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
@@ -171,7 +211,13 @@ def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
 
 def summarize(reqs: list[dict]) -> dict:
     ttft = [r["ttft"] * 1000 for r in reqs if "ttft" in r]
-    return {"n": len(reqs), "errors": sum(1 for r in reqs if "error" in r),
+    def waits(field: str) -> dict[str, float]:
+        roles = {role for r in reqs for role in r.get(field, {})}
+        return {role: statistics.median(r[field][role] for r in reqs if role in r.get(field, {}))
+                for role in sorted(roles)}
+    return {"cpu_wait_p50_ms": waits("cpu_wait_ms"),
+            "cpu_wait_first_p50_ms": waits("cpu_wait_first_ms"),
+            "n": len(reqs), "errors": sum(1 for r in reqs if "error" in r),
             "ttft_min_ms": min(ttft) if ttft else None, "ttft_p25_ms": pct(ttft, 0.25),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
             "ttft_mean_ms": statistics.fmean(ttft) if ttft else None}
@@ -208,14 +254,33 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
             r = one_request(client, url, w, args.max_tokens)
             if "error" in r:
                 raise RuntimeError(f"warm-up on {url} failed: {r['error']}")
+    # whose CPU waits are read around each request (the client: this process)
+    watch = {"single": {"client": [os.getpid()], "server": process_group(single.proc.pid)}}
+    for sys_, (p_name, d_name) in group["systems"].items():
+        watch[sys_] = {"client": [os.getpid()],
+                       "router": process_group(routers[sys_].proc.pid),
+                       "p": process_group(ps[p_name].proc.pid),
+                       "d": process_group(ds[d_name].proc.pid)}
     load0 = os.getloadavg()
     reqs: dict[str, list[dict]] = {k: [] for k in urls}
     names = list(urls)
     for i, prompt in enumerate(work):
         k = i % len(names)
         for system in names[k:] + names[:k]:
-            reqs[system].append(one_request(client, urls[system], prompt, args.max_tokens,
-                                            system if args.salt else None))
+            before = {role: cpu_wait_ns(pids) for role, pids in watch[system].items()}
+
+            def at_first(rec: dict, system: str = system, before: dict = before) -> None:
+                # the client's and the router's waits up to the first token (a few threads:
+                # quick to read; the servers' hundred threads are read at the end only)
+                rec["cpu_wait_first_ms"] = {
+                    role: (cpu_wait_ns(watch[system][role]) - before[role]) / 1e6
+                    for role in ("client", "router") if role in watch[system]}
+
+            rec = one_request(client, urls[system], prompt, args.max_tokens,
+                              system if args.salt else None, at_first)
+            rec["cpu_wait_ms"] = {role: (cpu_wait_ns(pids) - before[role]) / 1e6
+                                  for role, pids in watch[system].items()}
+            reqs[system].append(rec)
             time.sleep(args.gap_s)
     load1 = os.getloadavg()
     client.close()
@@ -305,6 +370,20 @@ def write_md(path: Path, result: dict) -> None:
         vals = [sy["breakdown"]["segments_ms"].get(sg) for _, sy in systems]
         if any(v is not None for v in vals):
             lines.append(f"| {sg} | " + " | ".join(f1(v) for v in vals) + " |")
+    lines += ["", "## Waiting for a CPU during a request (ms, median)", "",
+              "Per request, what each process's threads spent runnable but without a core "
+              "(the kernel's schedstat run delay, summed over the threads, read before the "
+              "request and after its last byte; the client is the bench process):", "",
+              "| group | system | client, to the first token | router, to the first token | "
+              "client | single server | router | P | D |", "|---|---|" + "---|" * 7]
+    for g in result["groups"]:
+        rows = [("single", g["single"])] + [(sy["system"], sy["push"]) for sy in g["systems"]]
+        for name, summ in rows:
+            w, w1 = summ.get("cpu_wait_p50_ms", {}), summ.get("cpu_wait_first_p50_ms", {})
+            lines.append(f"| {g['group']} | {name} | " + " | ".join(
+                [f"{w1[k]:.2f}" if k in w1 else "-" for k in ("client", "router")] +
+                [f"{w[k]:.2f}" if k in w else "-"
+                 for k in ("client", "server", "router", "p", "d")]) + " |")
     lines += ["", "How P announced each measured prefill (`p_prefill_done`'s `how`): " + "; ".join(
         f"{sy['system']}: {sy['breakdown']['announced']}" for _, sy in systems) + ".", ""]
     path.write_text("\n".join(lines))
