@@ -9,9 +9,10 @@ one-token JSON, a D that streams four SSE chunks) on core 1, the real ``kv-push-
   client: first ``data:`` line), alternating, ``--requests`` each; the difference is what the
   router's two HTTP hops and its dispatch cost;
 * ``clients``: the router's leg pattern (P's POST read whole, D's streaming POST to its first
-  chunk, concurrently) with an httpx ``AsyncClient`` vs an aiohttp ``ClientSession`` on one
-  uvloop, ``--requests`` pairs each: why the legs use aiohttp (``common/router/app.py``,
-  ``LegResponse``).
+  chunk, concurrently) with an httpx ``AsyncClient``, an aiohttp ``ClientSession`` and one with
+  ``trust_env=True`` on one uvloop, ``--requests`` pairs each, alternating: why the legs use
+  aiohttp (``common/router/app.py``, ``LegResponse``), without ``trust_env`` (it reads
+  ``~/.netrc`` and the proxy variables in worker threads for every request).
 
 Usage::
 
@@ -156,8 +157,8 @@ def clients(p_url: str, d_url: str, n: int) -> dict:
                 await r.aclose()
             return await pairs(post_p, open_d)
 
-    async def with_aiohttp() -> list[float]:
-        async with aiohttp.ClientSession() as c:
+    async def with_aiohttp(trust_env: bool = False) -> list[float]:
+        async with aiohttp.ClientSession(trust_env=trust_env) as c:
             async def post_p():
                 async with c.post(p_url + "/v1/completions", json=body) as r:
                     await r.json()
@@ -170,10 +171,11 @@ def clients(p_url: str, d_url: str, n: int) -> dict:
             return await pairs(post_p, open_d)
 
     async def main() -> dict:
-        out: dict = {"httpx": [], "aiohttp": []}
+        out: dict = {"httpx": [], "aiohttp": [], "aiohttp_trust_env": []}
         for _ in range(2):  # alternating passes
             out["httpx"] += await with_httpx()
             out["aiohttp"] += await with_aiohttp()
+            out["aiohttp_trust_env"] += await with_aiohttp(trust_env=True)
         return {k: _stats(v) for k, v in out.items()}
 
     os.sched_setaffinity(0, {0})
@@ -201,6 +203,9 @@ def main() -> None:
         fakes.wait()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                      capture_output=True, text=True).stdout.strip():
+        commit += "+uncommitted changes"
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "commit": commit, "host": platform.node(), "cpus": os.cpu_count(),
                       "requests": args.requests, "loadavg_before": load0,
@@ -211,7 +216,8 @@ def main() -> None:
     h, c = result["hop"], result["clients"]
     print(f"TTFT direct {h['direct']['p50_ms']:.2f} ms, through the router "
           f"{h['router']['p50_ms']:.2f} ms (added {h['added_p50_ms']:.2f} ms, p50); leg pair: "
-          f"httpx {c['httpx']['p50_ms']:.2f} ms, aiohttp {c['aiohttp']['p50_ms']:.2f} ms; "
+          f"httpx {c['httpx']['p50_ms']:.2f} ms, aiohttp {c['aiohttp']['p50_ms']:.2f} ms "
+          f"(with trust_env {c['aiohttp_trust_env']['p50_ms']:.2f} ms); "
           f"wrote {out}")
 
 

@@ -173,10 +173,10 @@ def process_group(pgid: int) -> list[int]:
     return pids
 
 
-def cpu_wait_ns(pids: list[int]) -> int:
-    """Time the threads of ``pids`` have spent runnable but waiting for a CPU (the kernel's
-    ``schedstat`` run delay), summed."""
-    total = 0
+def cpu_waits(pids: list[int]) -> dict[int, int]:
+    """Per thread of ``pids``, the time it has spent runnable but waiting for a CPU (the
+    kernel's ``schedstat`` run delay, ns)."""
+    out = {}
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -185,10 +185,16 @@ def cpu_wait_ns(pids: list[int]) -> int:
         for tid in tids:
             try:
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[1])
+                    out[int(tid)] = int(f.read().split()[1])
             except (OSError, IndexError, ValueError):
                 pass
-    return total
+    return out
+
+
+def waited_ms(before: dict[int, int], after: dict[int, int]) -> float:
+    """The threads' CPU wait between two readings (a thread started in between counts whole;
+    one that ended in between is lost)."""
+    return sum(v - before.get(t, 0) for t, v in after.items()) / 1e6
 
 
 def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
@@ -267,19 +273,22 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
     for i, prompt in enumerate(work):
         k = i % len(names)
         for system in names[k:] + names[:k]:
-            before = {role: cpu_wait_ns(pids) for role, pids in watch[system].items()}
+            # servers first, the client last: the bench's own reading stays out of the
+            # client's and the router's windows as far as it can
+            roles = sorted(watch[system], key=("p", "d", "server", "router", "client").index)
+            before = {role: cpu_waits(watch[system][role]) for role in roles}
 
             def at_first(rec: dict, system: str = system, before: dict = before) -> None:
                 # the client's and the router's waits up to the first token (a few threads:
-                # quick to read; the servers' hundred threads are read at the end only)
+                # quick to read; the servers' many threads are read at the end only)
                 rec["cpu_wait_first_ms"] = {
-                    role: (cpu_wait_ns(watch[system][role]) - before[role]) / 1e6
+                    role: waited_ms(before[role], cpu_waits(watch[system][role]))
                     for role in ("client", "router") if role in watch[system]}
 
             rec = one_request(client, urls[system], prompt, args.max_tokens,
                               system if args.salt else None, at_first)
-            rec["cpu_wait_ms"] = {role: (cpu_wait_ns(pids) - before[role]) / 1e6
-                                  for role, pids in watch[system].items()}
+            rec["cpu_wait_ms"] = {role: waited_ms(before[role], cpu_waits(watch[system][role]))
+                                  for role in roles}
             reqs[system].append(rec)
             time.sleep(args.gap_s)
     load1 = os.getloadavg()
@@ -289,6 +298,8 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
         records += timing.parse(server.log_text().splitlines())
     single_sum = summarize(reqs["single"])
     out = {"group": name, "loadavg_before": load0, "loadavg_after": load1,
+           "threads": {sys_: {role: len(cpu_waits(pids)) for role, pids in w.items()}
+                       for sys_, w in watch.items()},
            "single": single_sum, "single_requests": reqs["single"], "systems": []}
     for system, (p_name, d_name) in group["systems"].items():
         per_req = [st for st in (stages_of(records, r) for r in reqs[system] if "ttft" in r) if st]
@@ -373,7 +384,9 @@ def write_md(path: Path, result: dict) -> None:
     lines += ["", "## Waiting for a CPU during a request (ms, median)", "",
               "Per request, what each process's threads spent runnable but without a core "
               "(the kernel's schedstat run delay, summed over the threads, read before the "
-              "request and after its last byte; the client is the bench process):", "",
+              "request and after its last byte; the client is the bench process). Threads "
+              "per process group: " + "; ".join(
+                  f"{g['group']}: {g.get('threads')}" for g in result["groups"]) + ".", "",
               "| group | system | client, to the first token | router, to the first token | "
               "client | single server | router | P | D |", "|---|---|" + "---|" * 7]
     for g in result["groups"]:

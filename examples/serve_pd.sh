@@ -125,12 +125,19 @@ kv_config() {  # $1 role, $2 side-channel port
     "$1" "$KV_BUFFER_DEVICE" "$extra"
 }
 
-# start NAME CMD...: own session (so cleanup.sh can stop the whole process group), log, PID file
+# start NAME CMD...: own process group (so cleanup.sh can stop the whole group), log, PID file.
+# Not an own session (setsid, as before 2026-12-04): with the kernel's autogroup scheduling (on
+# by default on many distributions) every session is a scheduling group of its own, and a woken
+# API server then waited 50-350 ms for a core held by another server's busy worker (measured on
+# a 2-core box: README, "TTFT breakdown"). `set -m` gives each background job its own process
+# group in this session; nohup keeps the servers up when the terminal goes away.
 start() {
   local name=$1
   shift
-  setsid bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$name.pid" "$@" \
+  set -m
+  nohup bash -c 'echo $$ > "$0"; exec "$@"' "$RUN_DIR/$name.pid" "$@" \
     > "$RUN_DIR/$name.log" 2>&1 < /dev/null &
+  set +m
   for _ in $(seq 50); do [ -s "$RUN_DIR/$name.pid" ] && break; sleep 0.1; done
   echo "started $name (pid/pgid $(cat "$RUN_DIR/$name.pid"), log $RUN_DIR/$name.log)"
 }

@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_push.common.messages import Codec, Release, ReleaseAck
-from kv_push.common.router.app import PULL_PREFILL_PARAMS, Router, build_app
+from kv_push.common.router.app import (PULL_PREFILL_PARAMS, Router, build_app, leg_proxy,
+                                        redacted)
 from kv_push.common.router.config import RouterConfig, parse_args, parse_prefill_spec
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.side_channel import SideChannelServer
@@ -1078,11 +1079,13 @@ async def test_n_samples_are_one_prefill_with_fanout(monkeypatch):
 class RecordingProxy:
     """A plain-HTTP forward proxy on loopback: takes absolute-form requests
     (``POST http://host:port/path``), records their URLs, and relays each connection to its
-    target byte for byte."""
+    target byte for byte (one request per connection: it closes after the first exchange's
+    bytes, and a relay that fails closes the client's connection, so a leg never hangs)."""
 
     def __init__(self) -> None:
         self.urls: list[str] = []
         self.server: asyncio.AbstractServer | None = None
+        self.writers: set[asyncio.StreamWriter] = set()  # open client and upstream connections
 
     async def __aenter__(self) -> str:
         self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -1091,29 +1094,62 @@ class RecordingProxy:
     async def __aexit__(self, *exc) -> None:
         assert self.server is not None
         self.server.close()
+        for w in self.writers:
+            w.close()
+        await self.server.wait_closed()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        method, url, rest = head.split(b" ", 2)
-        self.urls.append(url.decode())
-        target = httpx.URL(url.decode())
-        up_r, up_w = await asyncio.open_connection(target.host, target.port)
-        up_w.write(b" ".join((method, target.raw_path, rest)))
+        self.writers.add(writer)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            method, url, rest = head.split(b" ", 2)
+            self.urls.append(url.decode())
+            target = httpx.URL(url.decode())
+            up_r, up_w = await asyncio.open_connection(target.host, target.port)
+            self.writers.add(up_w)
+            # origin-form, and no keep-alive: a second request on this connection would reach
+            # the backend unrecorded
+            up_w.write(b" ".join((method, target.raw_path, rest.replace(
+                b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n", 1))))
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
+            async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+                with contextlib.suppress(ConnectionError):
+                    while data := await src.read(65536):
+                        dst.write(data)
+                        await dst.drain()
+                dst.close()
 
-        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        finally:
+            writer.close()
+
+
+def test_leg_proxy_reads_the_environment_once_per_backend(monkeypatch):
+    """Which proxy a backend's legs use (Router.start looks each one up once)."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
+                "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert leg_proxy("http://10.0.0.5:8100") is None
+    monkeypatch.setenv("http_proxy", "u:secret@proxy.example:3128")  # no scheme: http://
+    monkeypatch.setenv("https_proxy", "https://proxy.example:3129")
+    monkeypatch.setenv("all_proxy", "socks5://proxy.example:1080")  # not for the legs
+    assert leg_proxy("http://10.0.0.5:8100") == "http://u:secret@proxy.example:3128"
+    assert leg_proxy("https://p.internal:8100") == "https://proxy.example:3129"
+    assert redacted(leg_proxy("http://10.0.0.5:8100") or "") == "http://proxy.example:3128"
+    monkeypatch.setenv("no_proxy", "internal,10.0.0.5")
+    assert leg_proxy("http://10.0.0.5:8100") is None
+    assert leg_proxy("https://p.internal:8100") is None
+    assert leg_proxy("http://10.0.0.6:8100") == "http://u:secret@proxy.example:3128"
+    monkeypatch.setenv("http_proxy", "socks5://u:secret@proxy.example:1080")
+    with pytest.raises(ValueError, match="HTTP and HTTPS proxies only") as err:
+        leg_proxy("http://10.0.0.6:8100")
+    assert "secret" not in str(err.value)
 
 
 @pytest.mark.parametrize("no_proxy", [False, True])
 async def test_the_legs_honour_the_proxy_variables(monkeypatch, no_proxy: bool):
     """Proxy variables are read once, at start (aiohttp's trust_env reread them and ~/.netrc in
-    a thread for every leg): with ``http_proxy`` both legs go through the proxy, with
+    threads for every leg): with ``http_proxy`` both legs go through the proxy, with
     ``no_proxy`` naming the backends' host neither does."""
     for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
         monkeypatch.delenv(var, raising=False)
@@ -1124,15 +1160,15 @@ async def test_the_legs_honour_the_proxy_variables(monkeypatch, no_proxy: bool):
             monkeypatch.setenv("no_proxy", "127.0.0.1")
         async with cluster() as c:
             (p,), (d,) = c.prefills, c.decodes
+            backends = c.router.prefill_pool.backends + c.router.decode_pool.backends
             status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
             assert status == 200 and data == d.records[0].sent
             await eventually(lambda: all_idle(c), "router to be idle")
             if no_proxy:
-                assert proxy.urls == []
+                assert proxy.urls == [] and all(b.proxy is None for b in backends)
             else:
                 p_url = c.router.prefill_pool.backends[0].url
                 d_url = c.router.decode_pool.backends[0].url
                 assert sorted(proxy.urls) == sorted([p_url + "/v1/completions",
                                                      d_url + "/v1/completions"])
-                assert all(b.proxy == proxy_url for b in
-                           c.router.prefill_pool.backends + c.router.decode_pool.backends)
+                assert all(b.proxy == proxy_url for b in backends)

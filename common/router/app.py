@@ -183,13 +183,32 @@ class LegResponse:
 
 
 def leg_proxy(url: str) -> str | None:
-    """The proxy the environment names for ``url`` (``http_proxy``/``https_proxy``/``all_proxy``
-    and ``no_proxy``, as urllib and httpx read them), or None."""
+    """The proxy the environment names for the backend ``url``, or None: ``http_proxy`` /
+    ``https_proxy`` (lower case first) by the backend's scheme, unless ``no_proxy`` names its
+    host -- urllib's rules, which aiohttp's ``trust_env`` also applies (host names and domain
+    suffixes, ``*``; no CIDR ranges). A value without a scheme is taken as ``http://``, as curl
+    and httpx take it. Raises ValueError for a proxy the legs cannot use (aiohttp speaks to
+    HTTP and HTTPS proxies only, not SOCKS)."""
     parts = urlsplit(url)
     if parts.hostname is None or urllib.request.proxy_bypass(parts.hostname):
         return None
-    proxies = urllib.request.getproxies()
-    return proxies.get(parts.scheme) or proxies.get("all")
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if not proxy:
+        return None
+    if "://" not in proxy:
+        proxy = "http://" + proxy
+    p = urlsplit(proxy)
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise ValueError(f"the {parts.scheme}_proxy variable names {redacted(proxy)!r}, which "
+                         f"the router's legs to {url} cannot use (HTTP and HTTPS proxies only; "
+                         "no_proxy can exempt the backend)")
+    return proxy
+
+
+def redacted(url: str) -> str:
+    """``url`` without a user name and password."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
 #: what a leg's transport raises (aiohttp's timeouts are ``asyncio.TimeoutError``\ s too: the
@@ -435,6 +454,11 @@ class Router:
 
     async def start(self) -> None:
         c = self.config
+        for b in self.prefill_pool.backends + self.decode_pool.backends:  # (before any client)
+            b.proxy = leg_proxy(b.url)
+            if b.proxy:
+                logger.info("%s %s: legs go through the proxy %s (from the environment)", b.role,
+                            b.url, redacted(b.proxy))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(c.timeout, connect=c.connect_timeout),
             limits=httpx.Limits(max_connections=c.max_connections,
@@ -442,22 +466,16 @@ class Router:
         )
         # connect: waiting for a free connection of the pool, and connecting (as httpx's pool
         # time-out was `timeout`); sock_read: no bytes for `timeout` seconds. No trust_env:
-        # with it aiohttp reads the proxy variables and ~/.netrc again for every leg, in a
-        # worker thread: a thread hop per leg on the TTFT path (the router's added latency went
-        # from 1.87 to 1.21 ms at p50 without it, benchmarks/results/router_overhead.json). Each
-        # backend's proxy is looked up once instead (leg_proxy), as httpx reads the
-        # environment once per client
+        # with it aiohttp reads ~/.netrc and the proxy variables again for every leg, each in a
+        # worker thread: two thread hops per leg on the TTFT path (bench_router_overhead.py's
+        # `clients`, aiohttp with and without trust_env). Each backend's proxy is looked up once
+        # instead (leg_proxy), as httpx reads the environment once per client; ~/.netrc is not
+        # read (proxy credentials go in the proxy's URL; docs/router.md)
         self.legs = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0),
             timeout=aiohttp.ClientTimeout(total=None, connect=c.timeout,
                                           sock_connect=c.connect_timeout, sock_read=c.timeout),
             skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
-        for b in self.prefill_pool.backends + self.decode_pool.backends:
-            b.proxy = leg_proxy(b.url)
-            if b.proxy:
-                proxy = urlsplit(b.proxy)  # logged without its user and password
-                logger.info("%s %s: legs go through the proxy %s (from the environment)", b.role,
-                            b.url, proxy._replace(netloc=proxy.netloc.rpartition("@")[2]).geturl())
 
     async def stop(self) -> None:
         await self.releaser.close()
