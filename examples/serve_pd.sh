@@ -27,6 +27,8 @@
 #   NIXL_BACKENDS    NIXL backends, comma-separated: UCX and/or LIBFABRIC [empty: the memory
 #                    backend's choice: UCX for host/cuda, LIBFABRIC for neuron]
 #   MAX_MODEL_LEN    [1024]
+#   DTYPE            --dtype of both servers [the model's; KV_PUSH_BACKEND=host on a CPU with AMX:
+#                    float16, since vLLM's bf16 CPU attention dies with SIGILL there]
 #   EXTRA_VLLM_ARGS  more `vllm serve` arguments for both servers [--enforce-eager on CPU]
 #   HEALTH_TIMEOUT   seconds to wait for each server [300]
 #
@@ -76,9 +78,15 @@ NIXL_BACKENDS=${NIXL_BACKENDS:-}
 SERVED_NAME=${SERVED_NAME:-tiny}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-300}
+DTYPE=${DTYPE:-}
 if [ "$KV_PUSH_BACKEND" = host ]; then
   EXTRA_VLLM_ARGS=${EXTRA_VLLM_ARGS:---enforce-eager}
   KV_BUFFER_DEVICE=cpu
+  if [ -z "$DTYPE" ] && grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    DTYPE=float16
+    echo "serve_pd.sh: this CPU has AMX: --dtype float16 (vLLM's bf16 CPU attention dies with" \
+         "SIGILL here; README, Known issues; DTYPE=... overrides)"
+  fi
 else
   EXTRA_VLLM_ARGS=${EXTRA_VLLM_ARGS:-}
   KV_BUFFER_DEVICE=${KV_BUFFER_DEVICE:-cuda}
@@ -165,7 +173,7 @@ serve() {  # $1 name, $2 P|D, $3 port, $4 role, $5 side-channel port
     VLLM_NIXL_SIDE_CHANNEL_HOST="$KV_HOST" VLLM_NIXL_SIDE_CHANNEL_PORT="$5" \
     "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name "$SERVED_NAME" --host "$HOST" --port "$3" \
-    --max-model-len "$MAX_MODEL_LEN" $EXTRA_VLLM_ARGS \
+    --max-model-len "$MAX_MODEL_LEN" ${DTYPE:+--dtype "$DTYPE"} $EXTRA_VLLM_ARGS \
     --kv-transfer-config "$(kv_config "$4" "$5")"
 }
 
