@@ -341,7 +341,8 @@ def write_md(path: Path, result: dict) -> None:
         f"prompt to every system of its group in rotating order, {m.get('gap_s', 0.05)} s "
         "apart; " + ("each server's every process on its core (`--pin server`)"
                      if m.get("pin") == "server" else "only the servers' workers pinned") +
-        f". {m['cpus']} cores: see the load averages.",
+        (f"; the routers' threads at nice {m['router_nice']}" if m.get("router_nice") else "")
+        + f". {m['cpus']} cores: see the load averages.",
         "",
         "| group | system | single p50 | push p50 | p50 ratio | single p90 | push p90 | "
         "p90 ratio | single p25 / min | push p25 / min | load (1 min) |",
@@ -428,6 +429,11 @@ def main() -> None:
                     help="each system's requests carry their own cache_salt: systems sharing a "
                     "P or a D (every group here) would otherwise meet each prompt a second time "
                     "in that server's prefix cache (--no-salt: as runs before 2026-12-04)")
+    ap.add_argument("--router-nice", type=int, default=0,
+                    help="nice value of the routers' threads (e.g. -10, as root): on a box where "
+                    "P's and D's cores are busy while a request runs, how much of the P/D "
+                    "overhead is the router waiting for a CPU (a router on a core of its own "
+                    "does not wait); 0: as started")
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"))
     ap.add_argument("--log-dir", default="")
@@ -477,6 +483,11 @@ def main() -> None:
             group_servers = [*(p for p, _ in ps.values()), *ds.values(), *routers.values()]
             for srv in fresh + group_servers:
                 srv.wait_healthy(300)
+            if args.router_nice:
+                for r in routers.values():
+                    for pid in process_group(r.proc.pid):
+                        for tid in os.listdir(f"/proc/{pid}/task"):  # the nice value is per thread
+                            os.setpriority(os.PRIO_PROCESS, int(tid), args.router_nice)
             fresh = []
             log(f"group {gname}: servers up (logs in {log_dir})")
             groups.append(run_group(gname, group, single, {n: p for n, (p, _) in ps.items()},
@@ -498,6 +509,7 @@ def main() -> None:
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                        "requests": args.requests, "extra_config": extra, "notes": args.notes,
                        "salt": args.salt, "gap_s": args.gap_s, "pin": args.pin,
+                       "router_nice": args.router_nice,
                        "timing": args.timing,
                        "log_dir": str(log_dir)},
               "groups": groups}
