@@ -1124,7 +1124,7 @@ class RecordingProxy:
             writer.close()
 
 
-def test_leg_proxy_reads_the_environment_once_per_backend(monkeypatch):
+def test_leg_proxy_follows_the_proxy_variables(monkeypatch):
     """Which proxy a backend's legs use (Router.start looks each one up once)."""
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
                 "ALL_PROXY", "no_proxy", "NO_PROXY"):
