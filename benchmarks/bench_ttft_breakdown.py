@@ -14,7 +14,10 @@ Groups (``--groups``, from ``GROUPS``), each on its own freshly started P and D 
 single server stays up), their systems side by side so that load drift weighs on all alike.
 The systems of a group share a P or a D, so each system's requests carry their own
 ``cache_salt`` (``--salt``, the default since 2026-12-04; earlier results were taken without
-it, and the second system to send a prompt found it in the shared server's prefix cache):
+it, and the second system to send a prompt found it in the shared server's prefix cache). The
+salt names the group too (since 2026-12-04 19:00): every group sends the same prompts, and the
+single server, which stays up, found them in its prefix cache in every group after the first
+(the "single server gets faster in later groups" of earlier runs):
 
 * ``early``: ``early_prefill_done=auto`` (P announces a prefill when its step ran) against
   ``off`` (at ``request_finished``, one engine step later), one D;
@@ -267,6 +270,7 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
                        "router": process_group(routers[sys_].proc.pid),
                        "p": process_group(ps[p_name].proc.pid),
                        "d": process_group(ds[d_name].proc.pid)}
+    hits0 = metric(single.url, "vllm:prefix_cache_hits_total")
     load0 = os.getloadavg()
     reqs: dict[str, list[dict]] = {k: [] for k in urls}
     names = list(urls)
@@ -286,13 +290,16 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
                     for role in ("client", "router") if role in watch[system]}
 
             rec = one_request(client, urls[system], prompt, args.max_tokens,
-                              system if args.salt else None, at_first)
+                              f"{name}:{system}" if args.salt else None, at_first)
             rec["cpu_wait_ms"] = {role: waited_ms(before[role], cpu_waits(watch[system][role]))
                                   for role in roles}
             reqs[system].append(rec)
             time.sleep(args.gap_s)
     load1 = os.getloadavg()
     client.close()
+    # prompt tokens the single server found in its prefix cache during the measured requests
+    # (must be 0: every group sends the same prompts, so its salt names the group too)
+    single_hits = metric(single.url, "vllm:prefix_cache_hits_total") - hits0
     records = []
     for server in [*routers.values(), *ps.values(), *ds.values()]:
         records += timing.parse(server.log_text().splitlines())
@@ -300,7 +307,8 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
     out = {"group": name, "loadavg_before": load0, "loadavg_after": load1,
            "threads": {sys_: {role: len(cpu_waits(pids)) for role, pids in w.items()}
                        for sys_, w in watch.items()},
-           "single": single_sum, "single_requests": reqs["single"], "systems": []}
+           "single": single_sum, "single_requests": reqs["single"],
+           "single_prefix_cache_hit_tokens": single_hits, "systems": []}
     for system, (p_name, d_name) in group["systems"].items():
         per_req = [st for st in (stages_of(records, r) for r in reqs[system] if "ttft" in r) if st]
         summ = summarize(reqs[system])
@@ -366,7 +374,10 @@ def write_md(path: Path, result: dict) -> None:
         "included): " + "; ".join(f"{g['group']}: {g['p_prefills_announced_early']}"
                                   for g in result["groups"]) + ". Prompt tokens D computed "
         "itself (must be 0): " + "; ".join(f"{g['group']}: {g['d_local_compute_prompt_tokens']}"
-                                           for g in result["groups"]) + "."]
+                                           for g in result["groups"]) + ". Prompt tokens the "
+        "single server found in its prefix cache (must be 0): " + "; ".join(
+            f"{g['group']}: {g.get('single_prefix_cache_hit_tokens', '-')}"
+            for g in result["groups"]) + "."]
     head = "| stage | " + " | ".join(sy["system"] for _, sy in systems) + " |"
     rule = "|---|" + "---|" * len(systems)
     lines += ["", "## Push: stage reached, ms after the client sent the request (median)", "",
