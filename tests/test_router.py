@@ -955,6 +955,10 @@ async def test_a_4xx_with_an_openai_body_reaches_the_client_as_vllm_wrote_it(str
         m = await c.metrics()
         assert m[("kv_push_router_upstream_errors_total",
                   (("kind", "http_4xx"), ("leg", "decode")))] == 1
+        # the client's mistake, not a decode failure (dashboards read the outcome)
+        outcomes = {dict(k[1])["outcome"]: v for k, v in m.items()
+                    if k[0] == "kv_push_router_requests_total" and v}
+        assert outcomes == {"rejected": 1}, outcomes
         await eventually(lambda: all_idle(c), "router to be idle")
 
 

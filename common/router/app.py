@@ -518,8 +518,12 @@ class Router:
         else:
             kind, status, msg = "transport", 502, f"{server} failed ({type(exc).__name__})"
         self.metrics.upstream_errors.labels(leg=leg, kind=kind).inc()
-        logger.warning("tid=%s %s leg failed (%s): %s backend %s: %s", ex.tid if ex else "-",
-                       leg, kind, leg, url, msg if response else repr(exc))
+        # a 4xx is the backend rejecting the request (an unknown model, a prompt too long...):
+        # the client's mistake as a rule, not the backend's failure
+        logger.log(logging.INFO if kind == "http_4xx" else logging.WARNING,
+                   "tid=%s %s leg %s (%s): %s backend %s: %s", ex.tid if ex else "-", leg,
+                   "rejected the request" if kind == "http_4xx" else "failed", kind, leg, url,
+                   msg if response else repr(exc))
         return UpstreamError(leg, kind, status, msg, body=body)
 
     def first_token_off(self, endpoint: str, body: dict) -> str | None:
@@ -824,7 +828,9 @@ class Router:
                             media_type=d.resp.headers.get("content-type", "application/json"),
                             headers={"X-Request-Id": ex.tid})
         except UpstreamError as err:
-            ex.outcome = f"{err.leg}_error"
+            # "rejected": a backend answered the request with a 4xx (passed on to the client,
+            # as one server alone would answer); "<leg>_error": a backend failed
+            ex.outcome = "rejected" if err.kind == "http_4xx" else f"{err.leg}_error"
             return err.to_response(ex.tid)
         except ClientGone:
             ex.outcome = "client_disconnect"
