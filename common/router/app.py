@@ -128,6 +128,12 @@ class UpstreamError(Exception):
         self.error_type = error_type or f"{leg}_error"
         self.body = body
 
+    @property
+    def rejected(self) -> bool:
+        """The backend answered the request with a 4xx (an unknown model, a prompt too long...):
+        the client's mistake as a rule, not the backend's failure."""
+        return self.kind == "http_4xx"
+
     def to_response(self, tid: str | None) -> JSONResponse:
         if self.body is not None:  # as vLLM wrote it: message, type, param, code
             return JSONResponse(self.body, status_code=self.status,
@@ -148,9 +154,9 @@ class EmptyStream(Exception):
 class LegResponse:
     """A leg's response from the aiohttp session (``Router.legs``), with what the router reads
     of it. The legs go through aiohttp, not httpx: on this project's 2-core box httpx's
-    per-request machinery (anyio cancel scopes, its pool's locks) took 2.15 ms per pair of legs
-    against aiohttp's 0.44 ms, on the TTFT critical path
-    (``benchmarks/bench_router_overhead.py``)."""
+    per-request machinery (anyio cancel scopes, its pool's locks) took about three times
+    aiohttp's time per pair of legs, on the TTFT critical path
+    (``benchmarks/bench_router_overhead.py``, ``benchmarks/results/router_overhead.json``)."""
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
@@ -216,7 +222,7 @@ def redacted(url: str) -> str:
 LEG_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
-def _upstream_message(resp: httpx.Response | LegResponse) -> tuple[str, dict | None]:
+def _upstream_message(resp: LegResponse) -> tuple[str, dict | None]:
     """The error message in an upstream error body, else the raw text; and the body itself when
     it is an OpenAI-style error (``{"error": {"message", "type", ...}}``, or vLLM's older flat
     ``{"object": "error", "message", "type", "param", "code"}``)."""
@@ -490,14 +496,14 @@ class Router:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def failure(self, ex: Exchange | None, leg: str, url: str,
-                exc: Exception | httpx.Response | LegResponse) -> UpstreamError:
+                exc: Exception | LegResponse) -> UpstreamError:
         """Classify a failure, count and log it once, and build the client's error.
 
         The log line names the backend; the client's error never does (nor the exception, which
         may carry an address): it says which leg failed and how. An upstream 4xx with an
         OpenAI-style error body goes to the client as the backend wrote it."""
         server, body = f"the {leg} server", None
-        response = isinstance(exc, httpx.Response | LegResponse)
+        response = isinstance(exc, LegResponse)
         if response:
             kind, status = f"http_{exc.status_code // 100}xx", exc.status_code
             upstream, error_body = _upstream_message(exc)
@@ -518,13 +524,12 @@ class Router:
         else:
             kind, status, msg = "transport", 502, f"{server} failed ({type(exc).__name__})"
         self.metrics.upstream_errors.labels(leg=leg, kind=kind).inc()
-        # a 4xx is the backend rejecting the request (an unknown model, a prompt too long...):
-        # the client's mistake as a rule, not the backend's failure
-        logger.log(logging.INFO if kind == "http_4xx" else logging.WARNING,
+        err = UpstreamError(leg, kind, status, msg, body=body)
+        logger.log(logging.INFO if err.rejected else logging.WARNING,
                    "tid=%s %s leg %s (%s): %s backend %s: %s", ex.tid if ex else "-", leg,
-                   "rejected the request" if kind == "http_4xx" else "failed", kind, leg, url,
+                   "rejected the request" if err.rejected else "failed", kind, leg, url,
                    msg if response else repr(exc))
-        return UpstreamError(leg, kind, status, msg, body=body)
+        return err
 
     def first_token_off(self, endpoint: str, body: dict) -> str | None:
         """Why a request's first token is not taken from P (``first_token.py``), or None."""
@@ -571,15 +576,20 @@ class Router:
 
     # -- legs ----------------------------------------------------------------------------------
 
+    async def _post_leg(self, backend: Backend, endpoint: str, body: dict, headers: dict
+                        ) -> LegResponse:
+        """POST one leg to ``backend`` (its response's headers read; raises LEG_ERRORS)."""
+        assert self.legs is not None
+        return LegResponse(await self.legs.post(backend.url + endpoint, json=body,
+                                                headers=headers, allow_redirects=False,
+                                                proxy=backend.proxy))
+
     async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
         """POST the P leg; return its JSON. Releases P's slot when it ends, however it ends."""
-        assert self.legs is not None
         url = ex.p.backend.url
         try:
             try:
-                resp = LegResponse(await self.legs.post(
-                    url + ex.endpoint, json=body, headers=headers, allow_redirects=False,
-                    proxy=ex.p.backend.proxy))
+                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
                 try:
                     await resp.aread()
                 finally:
@@ -603,12 +613,9 @@ class Router:
 
     async def _open_decode(self, ex: Exchange, body: dict, headers: dict) -> DecodeStream:
         """Send the D leg and wait for its first bytes (its whole body when not streaming)."""
-        assert self.legs is not None
         url = ex.d.backend.url
         try:
-            resp = LegResponse(await self.legs.post(url + ex.endpoint, json=body, headers=headers,
-                                                    allow_redirects=False,
-                                                    proxy=ex.d.backend.proxy))
+            resp = await self._post_leg(ex.d.backend, ex.endpoint, body, headers)
         except LEG_ERRORS as exc:
             raise self.failure(ex, "decode", url, exc) from None
         try:
@@ -828,9 +835,8 @@ class Router:
                             media_type=d.resp.headers.get("content-type", "application/json"),
                             headers={"X-Request-Id": ex.tid})
         except UpstreamError as err:
-            # "rejected": a backend answered the request with a 4xx (passed on to the client,
-            # as one server alone would answer); "<leg>_error": a backend failed
-            ex.outcome = "rejected" if err.kind == "http_4xx" else f"{err.leg}_error"
+            # a rejection is passed on as one server alone would answer it
+            ex.outcome = "rejected" if err.rejected else f"{err.leg}_error"
             return err.to_response(ex.tid)
         except ClientGone:
             ex.outcome = "client_disconnect"
