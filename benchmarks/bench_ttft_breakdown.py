@@ -105,11 +105,17 @@ GROUPS = {
 STAGES = ["client_send", "router_in", "router_legs_sent", "p_sched", "d_sched", "d_expect",
           "d_register_sent", "p_prefill_done", "p_pair", "p_write_posted", "p_write_done",
           "d_write_done", "d_recv_reported", "d_scheduled", "d_first_step_done",
-          "router_first_byte", "client_first_token", "router_p_done"]
+          "router_first_byte", "client_first_token", "p_step_output", "router_p_done"]
 #: the critical path, segment by segment (each from the stage before it)
 CRITICAL = ["client_send", "router_in", "router_legs_sent", "p_sched", "p_prefill_done",
             "p_pair", "p_write_posted", "p_write_done", "d_write_done", "d_recv_reported",
             "d_scheduled", "d_first_step_done", "router_first_byte", "client_first_token"]
+#: the segments reported: the critical path, then P's answer's path (the client's first token
+#: when it comes from P: router's ``--first-token-from-prefill``)
+SEGMENTS = list(zip(CRITICAL, CRITICAL[1:])) + [
+    ("p_sched", "p_step_output"), ("p_prefill_done", "p_step_output"),
+    ("p_step_output", "router_p_done"),
+    ("router_p_done", "router_first_byte")]
 
 
 def log(msg: str) -> None:
@@ -144,14 +150,19 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
                 resp.read()
                 rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return rec
+            chunks, t_last = 0, 0.0
             for line in resp.iter_lines():
                 if not line.startswith("data: {"):
                     continue
+                if '"choices"' in line and '"text"' in line:
+                    chunks, t_last = chunks + 1, time.perf_counter() - t0
                 if "ttft" not in rec and '"choices"' in line and '"text"' in line:
-                    rec["ttft"] = time.perf_counter() - t0
+                    rec["ttft"] = t_last
                     rec["t_first"] = time.time()
                     if on_first is not None:
                         on_first(rec)
+            if chunks > 1:  # one decode step per later token (each streamed as it comes)
+                rec["itl"] = (t_last - rec["ttft"]) / (chunks - 1)
         rec["e2e"] = time.perf_counter() - t0
         rec["t_end"] = time.time()
     except httpx.HTTPError as e:
@@ -220,6 +231,8 @@ def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
 
 def summarize(reqs: list[dict]) -> dict:
     ttft = [r["ttft"] * 1000 for r in reqs if "ttft" in r]
+    itl = [r["itl"] * 1000 for r in reqs if "itl" in r]
+
     def waits(field: str) -> dict[str, float]:
         roles = {role for r in reqs for role in r.get(field, {})}
         return {role: statistics.median(r[field][role] for r in reqs if role in r.get(field, {}))
@@ -229,14 +242,15 @@ def summarize(reqs: list[dict]) -> dict:
             "n": len(reqs), "errors": sum(1 for r in reqs if "error" in r),
             "ttft_min_ms": min(ttft) if ttft else None, "ttft_p25_ms": pct(ttft, 0.25),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
-            "ttft_mean_ms": statistics.fmean(ttft) if ttft else None}
+            "ttft_mean_ms": statistics.fmean(ttft) if ttft else None,
+            "itl_p50_ms": pct(itl, 0.5)}
 
 
 def breakdown(per_req: list[dict[str, float]]) -> dict:
     at = {s: statistics.median([r[s] for r in per_req if s in r])
           for s in STAGES if any(s in r for r in per_req)}
     segs = {}
-    for a, b in zip(CRITICAL, CRITICAL[1:]):
+    for a, b in SEGMENTS:
         vals = [r[b] - r[a] for r in per_req if a in r and b in r]
         if vals:
             segs[f"{a} -> {b}"] = statistics.median(vals)
@@ -367,6 +381,30 @@ def write_md(path: Path, result: dict) -> None:
                 f"{f1(s['ttft_p25_ms'])} / {f1(s['ttft_min_ms'])} ms | "
                 f"{f1(p['ttft_p25_ms'])} / {f1(p['ttft_min_ms'])} ms | "
                 f"{g['loadavg_before'][0]:.1f} -> {g['loadavg_after'][0]:.1f} |")
+    lines += ["", "## The floor: one decode step more than a single server", "",
+              "A single server samples the first token in its prefill step. In vLLM's P/D, D "
+              "gets the KV of the prompt and computes its last token again (one token: a "
+              "decode-sized step) to sample the first token itself; P's own first token is "
+              "thrown away unless the router sends it (`--first-token-from-prefill auto`). So "
+              "a P/D request whose first token comes from D cannot beat the single server's "
+              "TTFT plus one decode step of the same vLLM, measured here as the single "
+              "server's inter-token latency (ITL: the gaps between its streamed tokens, p50). "
+              "What is left above that floor is the transfer, D's noticing the KV and "
+              "scheduling the request, and the router.", "",
+              "| group | system | single TTFT p50 | single ITL p50 | floor | push p50 | "
+              "push - floor | push / floor |", "|---|---|---|---|---|---|---|---|"]
+    for g in result["groups"]:
+        s = g["single"]
+        for sy in g["systems"]:
+            p = sy["push"]
+            first_from_p = "first-token=prefill" in sy["system"]
+            if s.get("itl_p50_ms") is None or s.get("ttft_p50_ms") is None or first_from_p:
+                continue
+            floor = s["ttft_p50_ms"] + s["itl_p50_ms"]
+            lines.append(f"| {g['group']} | {sy['system']} | {f1(s['ttft_p50_ms'])} ms | "
+                         f"{f1(s['itl_p50_ms'])} ms | {f1(floor)} ms | {f1(p['ttft_p50_ms'])} ms "
+                         f"| {f1(p['ttft_p50_ms'] - floor)} ms | "
+                         f"{p['ttft_p50_ms'] / floor:.2f}x |")
     systems = [(g, sy) for g in result["groups"] for sy in g["systems"]]
     lines += ["", "Systems (P's / D's `kv_connector_extra_config` additions): " + "; ".join(
         f"{sy['system']}: P {json.dumps(sy['p_config'])}, D {json.dumps(sy['d_config'])}"
@@ -386,9 +424,9 @@ def write_md(path: Path, result: dict) -> None:
         vals = [sy["breakdown"]["at_ms"].get(st) for _, sy in systems]
         if any(v is not None for v in vals):
             lines.append(f"| {st} | " + " | ".join(f1(v) for v in vals) + " |")
-    lines += ["", "## Push: critical path, segment medians (ms)", "", head.replace("stage",
+    lines += ["", "## Push: critical path, then P's answer's path, segment medians (ms)", "", head.replace("stage",
                                                                                  "segment"), rule]
-    for a, b in zip(CRITICAL, CRITICAL[1:]):
+    for a, b in SEGMENTS:
         sg = f"{a} -> {b}"
         vals = [sy["breakdown"]["segments_ms"].get(sg) for _, sy in systems]
         if any(v is not None for v in vals):

@@ -361,7 +361,9 @@ class PushScheduler:
         # timing lines only: decoder requests received (-> transfer id) not yet planned, and
         # those planned in the step whose output comes next
         self._recv_tids: dict[str, str] = {}
-        self._first_step: dict[str, str] = {}
+        # timing lines only: requests planned into the step whose output comes next, with the
+        # stage to stamp when it does (D: its first step after the KV; P: its prefill's step)
+        self._first_step: dict[str, tuple[str, str]] = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
@@ -454,8 +456,8 @@ class PushScheduler:
     def on_step_output(self) -> None:
         """vLLM processed a step's output (``update_connector_output``): timing lines only."""
         if timing.ENABLED and self._first_step:
-            for rid, tid in self._first_step.items():
-                timing.stamp("d_first_step_done", tid, key=rid)
+            for rid, (stage, tid) in self._first_step.items():
+                timing.stamp(stage, tid, key=rid)
             self._first_step.clear()
 
     # -- both ------------------------------------------------------------------------------------
@@ -551,14 +553,15 @@ class PushScheduler:
     def take_plan(self, scheduler_output: Any = None) -> StepPlan:
         """The step's plan. ``scheduler_output``: vLLM's ``SchedulerOutput`` of the step, from
         which the producer's ``completing`` requests are found (early announcement)."""
-        if (self.early_prefill_done or self.layerwise) and scheduler_output is not None:
+        if (self.early_prefill_done or self.layerwise or (timing.ENABLED and self.is_producer)) \
+                and scheduler_output is not None:
             self._find_completing(scheduler_output)
         if timing.ENABLED and self._recv_tids and scheduler_output is not None:
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             for rid in [r for r in self._recv_tids if r in scheduled]:
                 tid = self._recv_tids.pop(rid)
                 timing.stamp("d_scheduled", tid, key=rid)
-                self._first_step[rid] = tid
+                self._first_step[rid] = ("d_first_step_done", tid)
         plan, self._plan = self._plan, StepPlan()
         return plan
 
@@ -589,6 +592,8 @@ class PushScheduler:
                 continue
             ready = PrefillReady(rid, params.transfer_id, tuple(int(b) for b in blocks[:need]),
                                  n, prompt_digest(prompt), params.fanout)
+            if timing.ENABLED and rid not in self._first_step:
+                self._first_step[rid] = ("p_step_output", params.transfer_id)
             if self.early_prefill_done:
                 self._announced[rid] = ready
                 self._plan.completing.append(ready)

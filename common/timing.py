@@ -26,6 +26,8 @@ Stages, in the order a request meets them (the components that write them):
 ``d_register_sent``    D transfer thread: ``Register`` sent to P (rank 0 of P's group)
 ``p_prefill_done``     P worker: the prefill is handed to the rendezvous (``how``: early_save,
                        early_bind or request_finished)
+``p_step_output``      P scheduler: the prefill's step's output processed (P's one token
+                       sampled, about to go to P's API server)
 ``p_pair``             P transfer thread: registration and prefill met
 ``p_write_posted``     P transfer thread: a WRITE chunk posted
 ``p_write_done``       P transfer thread: the WRITE completed locally

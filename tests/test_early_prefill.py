@@ -238,3 +238,22 @@ def test_auto_turns_it_on_only_for_one_batch_at_a_time_and_full_attention(settin
     from kv_push.common.connector import _early_prefill_done
 
     assert _early_prefill_done(PushConfig(early_prefill_done=setting), vllm_config(**kw)) is on
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_timing_stamps_the_output_of_the_step_that_completes_a_p_leg(monkeypatch, early):
+    """``p_step_output`` (KV_PUSH_TIMING, bench_ttft_breakdown): once, when vLLM processed the
+    output of the step that ran the whole prompt (P's token sampled), not of a chunk's step;
+    with the early announcement on or off (off: nothing announced)."""
+    from kv_push.common import timing
+    stamps = []
+    monkeypatch.setattr(timing, "ENABLED", True)
+    monkeypatch.setattr(timing, "stamp", lambda stage, tid, **kw: stamps.append((stage, tid)))
+    s = producer(early)
+    look(s, req("whole", dict(P_PARAMS)), req("chunk", dict(P_PARAMS, transfer_id="t2")))
+    plan = s.take_plan(output(new_req("whole"), new_req("chunk"), scheduled={"chunk": 64}))
+    assert [p.req_id for p in plan.completing] == (["whole"] if early else [])
+    assert ("p_step_output", "t1") not in stamps  # planned, not yet run
+    s.on_step_output()
+    s.on_step_output()
+    assert [x for x in stamps if x[0] == "p_step_output"] == [("p_step_output", "t1")]
