@@ -654,6 +654,14 @@ class Decoder:
         # waits for them and no peer needs to make progress for them.
         return self.staged is not None and self.staged.busy()
 
+    def holding(self) -> bool:
+        """Wants not done, fences, handshakes under way, staged slots in use: never quiet then
+        (``transfer_thread``, ``quiet_poll_s``)."""
+        return bool(self.wants or self.by_reg or self.superseded or self.parked
+                    or self._handshaking or self._giving_up
+                    or any(r.connecting for r in self.remotes.values())
+                    or (self.staged is not None and self.staged.live()))
+
     def awaiting(self) -> bool:
         """A registered want waits for WRITEs: the thread polls every ``await_poll_s`` (not
         ``idle_poll_s``) until they arrive -- NIXL over UCX progresses the WRITE into us and

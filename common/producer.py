@@ -779,6 +779,14 @@ class Producer:
     def busy(self) -> bool:
         return any(not job.waits for job in self.jobs.values()) or bool(self._ending)
 
+    def holding(self) -> bool:
+        """Prefills held (a registration for them may come), registrations waiting for their
+        prefill, WRITEs in flight or deferred, staged packs or slots in use: never quiet then
+        (``transfer_thread``, ``quiet_poll_s``)."""
+        return bool(len(self.rdv) or self.rdv.num_claims or self.sources or self.jobs
+                    or self.orphans or self.streams or self.deferred or self._ending
+                    or (self.staged is not None and self.staged.live()))
+
     def awaiting(self) -> bool:
         """A layer-wise job waits for packs enqueued behind the prefill: poll every
         ``await_poll_s``."""

@@ -22,7 +22,13 @@ Everything that touches the agent runs here; everything else only hands work in.
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``await_poll_s``
    while a role awaits a peer's WRITE (a decoder's registered want: the WRITE into it and its
-   notice progress only while it polls; a sleep, not a spin), else up to ``idle_poll_s``.
+   notice progress only while it polls; a sleep, not a spin), else up to ``idle_poll_s``; when
+   quiet -- no role holds anything that a peer's message could be awaited for (``holding``),
+   and for ``quiet_after_s`` nothing but heartbeats came and nothing was handed in -- up to
+   ``quiet_poll_s`` (and never past the next heartbeat). Whatever the engine or the side
+   channel hands in sets the wake event, so a new request is never slowed by the back-off;
+   only a peer's unsolicited message to a quiet worker (a registration, a release) is noticed
+   up to ``quiet_poll_s`` later, and none of those is waited for: the worker holds nothing.
 
 ``close()`` stops the loop, lets the WRITEs in flight finish (at most half the close time-out;
 their completions are sent as usual), says goodbye to every peer it is no longer writing to, closes
@@ -108,6 +114,11 @@ class Role(Protocol):
         """True while the role waits for a peer's WRITE into this worker (the thread then polls
         every ``await_poll_s`` instead of ``idle_poll_s``). Optional: absent means never."""
 
+    def holding(self) -> bool:
+        """True while the role holds anything a peer's message may be awaited for (a prefill,
+        a registration, a want, a handshake, a WRITE): the thread then never backs off to
+        ``quiet_poll_s``. Optional: absent means always."""
+
 
 class RoleContext(Protocol):
     """What a role may use of the transfer thread that runs it. ``TransferThread`` provides it.
@@ -189,6 +200,10 @@ def _never() -> bool:
     return False
 
 
+def _always() -> bool:
+    return True
+
+
 class TransferThread:
     def __init__(
         self,
@@ -221,6 +236,7 @@ class TransferThread:
         self._stop = threading.Event()
         self._hb_seq = 0
         self._next_hb = 0.0
+        self._stirred = clock()  # the last time work came or a role held something (_sleep_s)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         self._drain_s = 0.0  # close(): how long WRITEs in flight may take to finish
@@ -358,8 +374,7 @@ class TransferThread:
                 if busy:
                     time.sleep(0)  # in flight: keep NIXL progressing, but let others run
                     continue
-                self._wake.wait(self.config.await_poll_s if self._awaiting()
-                                else self.config.idle_poll_s)
+                self._wake.wait(self._sleep_s())
                 self._wake.clear()
         finally:
             self._shutdown()
@@ -374,6 +389,7 @@ class TransferThread:
             except queue.Empty:
                 break
             self.counters.inc("queue_wait_seconds", time.monotonic() - queued_at)
+            self._stirred = self.clock()
             if fut is not None:
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -408,6 +424,7 @@ class TransferThread:
                            peer.engine_id, peer.tp_rank)
         if isinstance(msg, Heartbeat):
             return
+        self._stirred = self.clock()
         if isinstance(msg, Goodbye):
             self.drop_peer(peer, "said goodbye")
             return
@@ -442,6 +459,24 @@ class TransferThread:
                                now - peer.last_heard)
                 for role in self.roles:
                     self._guard(role.on_peer_silent, peer, context=f"peer {peer.agent_name} silent")
+
+    def _sleep_s(self) -> float:
+        """How long the loop may sleep now (module doc, 4.)."""
+        if self._awaiting():
+            return self.config.await_poll_s
+        now = self.clock()
+        if self._holding():
+            self._stirred = now
+        if now - self._stirred < self.config.quiet_after_s:
+            return self.config.idle_poll_s
+        return max(self.config.idle_poll_s, min(self.config.quiet_poll_s, self._next_hb - now))
+
+    def _holding(self) -> bool:
+        try:
+            return any(getattr(role, "holding", _always)() for role in self.roles)
+        except Exception:  # as for awaiting(): never let bookkeeping stop the loop
+            logger.exception("kv_push: holding() failed")
+            return True
 
     def _awaiting(self) -> bool:
         """A role waits for a peer's WRITE (``Role.awaiting``, optional): poll more often."""

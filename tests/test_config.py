@@ -37,6 +37,8 @@ SETTABLE = {
                   ("false", False), ("No", False), ("0", False), (False, False)],
     "idle_poll_s": [("0.002", 0.002), (0.01, 0.01)],
     "await_poll_s": [("0.0001", 0.0001), (0.001, 0.001)],
+    "quiet_poll_s": [("0.05", 0.05), (0.001, 0.001)],
+    "quiet_after_s": [("0", 0.0), (2, 2.0)],
     "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
     "max_post_regions": [("16", 16), (1, 1)],
     "staged": [("auto", "auto"), ("off", "off")],
@@ -199,6 +201,10 @@ def test_unknown_key_is_named(key):
     ("early_prefill_done", ""),
     ("layerwise", "on"),
     ("layerwise", True),
+    ("quiet_poll_s", 0),
+    ("quiet_poll_s", "-0.02"),
+    ("quiet_after_s", -1),
+    ("quiet_after_s", "soon"),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:

@@ -158,7 +158,9 @@ class Bench:
 
 def test_expect_handshakes_registers_and_reports_received():
     b = Bench()
+    assert not b.decoder.holding()
     b.expect()
+    assert b.decoder.holding()  # the want waits for its WRITE
     assert b.handshakes == [(HOST, PORT)]
     hello = b.hellos[0]
     assert (hello.engine_id, hello.agent_name, hello.agent_metadata, hello.geometry,
@@ -170,7 +172,7 @@ def test_expect_handshakes_registers_and_reports_received():
     b.write_done()
     assert b.outcomes() == [Outcome("req-1", "received")]
     assert b.d.count("transfers_done") == 1 and b.d.count("transfer_seconds") == 0.5
-    assert b.wants() == 0
+    assert b.wants() == 0 and not b.decoder.holding()
     # the next request to the same producer reuses the connection
     b.expect("req-2", "t2", blocks=(4, 5))
     assert len(b.handshakes) == 1

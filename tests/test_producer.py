@@ -148,14 +148,17 @@ def failed(b: Bench, rank: int = 0) -> list[TransferFailed]:
 @pytest.mark.parametrize("order", ["registration_first", "prefill_first"])
 def test_rendezvous_in_either_order_writes_once_and_releases(order):
     b = Bench()
+    assert not b.producer.holding()  # nothing a peer's message could be awaited for
     if order == "registration_first":
         b.register()
         assert b.writes() == [] and b.got() == []
         assert b.p.count("registrations_early") == 1
+        assert b.producer.holding()  # the registration waits for its prefill
         b.prefill()
     else:
         b.prefill()
         assert b.writes() == [] and b.released == [] and b.producer.live()["sources"] == 1
+        assert b.producer.holding()  # the prefill waits for its registration
         b.register()
         assert b.p.count("registrations_late") == 1
     # one WRITE of prompt blocks 0-1 into D blocks 2-3: per layer, K and V, one merged region
@@ -171,6 +174,7 @@ def test_rendezvous_in_either_order_writes_once_and_releases(order):
     assert (b.p.count("writes_posted"), b.p.count("transfers_done"), b.p.count("bytes_written"),
             b.p.count("regions_written")) == (1, 1, 8 * BLOCK_BYTES, 4)
     assert b.idle() and b.producer.tombstones == {("D", "d-1"): 0.0}
+    assert not b.producer.holding()  # tombstones are not waited on
 
 
 @pytest.mark.parametrize("limit,chunks", [(dict(max_post_regions=1), 4),

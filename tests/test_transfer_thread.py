@@ -722,3 +722,80 @@ def test_worker_describes_what_it_holds_and_logs_it_when_asked(monkeypatch, capl
                 assert (want["key"], want["tid"], want["state"]) == ("d1", "t2", "connecting")
     finally:
         w.close()
+
+
+def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
+    """The loop's sleep (``_sleep_s``, module doc 4.): ``idle_poll_s`` while a role holds
+    something or for ``quiet_after_s`` after the last work or message, then ``quiet_poll_s``
+    (never past the next heartbeat); ``await_poll_s`` while a role awaits a WRITE. A role
+    without ``holding`` is taken to hold something (never quiet). Unstarted thread, fake clock."""
+    wire = Wire()
+    ta, b = FakeTransport(wire, "A"), FakeTransport(wire, "B")
+    clock = FakeClock(100.0)
+    cfg = PushConfig(heartbeat_interval_s=4.0, idle_poll_s=0.001, await_poll_s=0.0002,
+                     quiet_poll_s=0.05, quiet_after_s=1.0)
+
+    class Quiet(RecordingRole):
+        held = False
+        awaits = False
+
+        def holding(self) -> bool:
+            return self.held
+
+        def awaiting(self) -> bool:
+            return self.awaits
+
+    role = Quiet()
+    t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
+    t.add_role(role)
+    t.add_peer(b.metadata(), engine_id="B", tp_rank=0, geometry=GEOM, digest=DIGEST)
+    b.add_peer(b"meta:A")
+    t.step()  # the first heartbeat: the next is due at 101.0
+    assert t._sleep_s() == 0.001  # just started: not quiet yet
+    clock.t = 100.999
+    assert t._sleep_s() == 0.001
+    clock.t = 101.0005  # quiet for 1 s, but the heartbeat is due: at least idle_poll_s
+    assert t._sleep_s() == 0.001
+    t.step()  # heartbeat sent; next due at 102.0005
+    assert t._sleep_s() == 0.05
+    clock.t = 101.98
+    assert t._sleep_s() == pytest.approx(0.0205)  # up to the next heartbeat
+    # a heartbeat from the peer does not stir it
+    b.send_notif("A", Codec().encode(Heartbeat(engine_id="B", tp_rank=0, seq=1)))
+    t.step()
+    assert t._sleep_s() == pytest.approx(0.0205)
+    # any other message does, for quiet_after_s
+    b.send_notif("A", Codec().encode(reg_msg("t1")))
+    t.step()
+    assert role.messages and t._sleep_s() == 0.001
+    clock.t = 102.9805
+    t.step()
+    assert t._sleep_s() == 0.05
+    # so does work handed in (the engine, the side channel)
+    t.submit(lambda: None)
+    t.step()
+    assert t._sleep_s() == 0.001
+    # a role holding something keeps it at idle_poll_s however long nothing comes ...
+    role.held = True
+    clock.t = 200.0
+    t.step()
+    assert t._sleep_s() == 0.001
+    clock.t = 300.0
+    assert t._sleep_s() == 0.001
+    # ... and for quiet_after_s after it let go
+    role.held = False
+    clock.t = 300.9
+    assert t._sleep_s() == 0.001
+    clock.t = 301.1
+    assert t._sleep_s() == 0.001  # a heartbeat is overdue
+    t.step()
+    assert t._sleep_s() == 0.05
+    # awaiting a WRITE: await_poll_s, quiet or not
+    role.awaits = True
+    assert t._sleep_s() == 0.0002
+    role.awaits = False
+    # a role without holding(): never quiet
+    t.add_role(RecordingRole())
+    clock.t = 400.0
+    assert t._sleep_s() == 0.001
+    t.close()
