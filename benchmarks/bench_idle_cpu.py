@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""What an idle server costs in CPU: a plain vLLM server against our P and D (issue 12 item 4).
+
+Real ``vllm serve`` (CPU build, the suite's tiny model), started as the end-to-end tests start
+them (``kv_push.common.testing.vllm_servers``): one single server, one P/D pair with the
+defaults and one P/D pair whose transfer threads never back off (``quiet_poll_s`` = 1 ms, which
+is ``idle_poll_s``: how every worker polled NIXL before 2026-12-04 21:00), each pair behind a
+router. Every system serves a few requests first (warm-up: handshakes, the first transfers),
+then nothing is sent for ``--settle-s`` (longer than ``quiet_after_s``) and each server's
+process group's CPU time (user + system, ``/proc/<pid>/stat``) is read over ``--window-s``:
+the share of one core it took while idle. Repeated ``--rounds`` times.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_idle_cpu.py            # ~3 min here
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, router,
+                                                 vllm_server)
+
+#: the P/D pairs: name -> their kv_connector_extra_config additions
+PAIRS = {"default": {}, "no back-off": {"quiet_poll_s": 0.001}}
+
+
+def group_cpu_s(server: Server) -> float:
+    """CPU seconds (user + system) of every live process in ``server``'s process group."""
+    pgid = os.getpgid(server.proc.pid)
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle-s", type=float, default=5.0)
+    ap.add_argument("--window-s", type=float, default=20.0)
+    ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "idle_cpu.json"))
+    args = ap.parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="idle-cpu-"))
+    model = str(build_tiny_model(log_dir / "tiny"))
+    servers: list[Server] = []
+    urls: dict[str, str] = {}
+    try:
+        port = free_port()
+        servers.append(vllm_server("single", python=args.python, model=model, port=port, cpu=0,
+                                   log_dir=log_dir))
+        urls["single"] = f"http://127.0.0.1:{port}"
+        pairs = []
+        for name, cfg in PAIRS.items():
+            tag = name.replace(" ", "-")
+            pp, dp, pk, dk = free_port(), free_port(), free_port(), free_port()
+            p = vllm_server(f"p-{tag}", python=args.python, model=model, port=pp, cpu=0,
+                            log_dir=log_dir, kv_role="kv_producer", kv_port=pk,
+                            extra_config=cfg)
+            d = vllm_server(f"d-{tag}", python=args.python, model=model, port=dp, cpu=1,
+                            log_dir=log_dir, kv_role="kv_consumer", kv_port=dk,
+                            extra_config=cfg)
+            servers += [p, d]
+            pairs.append((name, pp, pk, dp, p, d))
+        for s in servers:
+            s.wait_healthy()
+        roles: dict[str, Server] = {"single": servers[0]}
+        for name, pp, pk, dp, p, d in pairs:
+            rp = free_port()
+            r = router(python=args.python, port=rp, prefill=[(f"http://127.0.0.1:{pp}", pk)],
+                       decode=[f"http://127.0.0.1:{dp}"], log_dir=log_dir, name=f"router-{name}")
+            servers.append(r)
+            r.wait_healthy()
+            urls[name] = f"http://127.0.0.1:{rp}"
+            roles.update({f"P ({name})": p, f"D ({name})": d, f"router ({name})": r})
+        with httpx.Client(timeout=120, trust_env=False) as client:
+            for url in urls.values():
+                for i in range(3):
+                    client.post(url + "/v1/completions", json={
+                        "model": "tiny", "prompt": f"warm up {i} " * 20, "max_tokens": 4,
+                        "temperature": 0}).raise_for_status()
+        rounds = []
+        for _ in range(args.rounds):
+            time.sleep(args.settle_s)
+            before = {k: group_cpu_s(s) for k, s in roles.items()}
+            t0 = time.monotonic()
+            time.sleep(args.window_s)
+            elapsed = time.monotonic() - t0
+            after = {k: group_cpu_s(s) for k, s in roles.items()}
+            rounds.append({k: 100 * (after[k] - before[k]) / elapsed for k in roles})
+            print(json.dumps({k: round(v, 1) for k, v in rounds[-1].items()}), flush=True)
+    finally:
+        for s in reversed(servers):
+            s.stop()
+    median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                            "common", "benchmarks"], capture_output=True, text=True).stdout
+    result = {"meta": {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                             time.gmtime()),
+                       "commit": commit + (" + uncommitted changes" if dirty.strip() else ""),
+                       "cpus": os.cpu_count(), "machine": platform.platform(),
+                       "settle_s": args.settle_s, "window_s": args.window_s,
+                       "pairs": PAIRS, "unit": "percent of one core, idle"},
+              "rounds": rounds, "median": median}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"median (% of one core, idle): {json.dumps({k: round(v, 1) for k, v in median.items()})}"
+          f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
