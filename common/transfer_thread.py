@@ -26,9 +26,13 @@ Everything that touches the agent runs here; everything else only hands work in.
    quiet -- no role holds anything that a peer's message could be awaited for (``holding``),
    and for ``quiet_after_s`` nothing but heartbeats came and nothing was handed in -- up to
    ``quiet_poll_s`` (and never past the next heartbeat). Whatever the engine or the side
-   channel hands in sets the wake event, so a new request is never slowed by the back-off;
-   only a peer's unsolicited message to a quiet worker (a registration, a release) is noticed
-   up to ``quiet_poll_s`` later, and none of those is waited for: the worker holds nothing.
+   channel hands in sets the wake event, so a new request is never slowed by the back-off: a
+   producer learns of its prefill by a hand-off, which wakes it, and reads the registration
+   that came meanwhile in the same step. A peer's message to a quiet worker is noticed up to
+   ``quiet_poll_s`` later; the ones a peer then waits for are refusals and answers that a
+   producer gives from memory after it let go of the request (a registration for a transfer
+   it tombstoned or that the router released: ``TransferFailed``; a cancel it already
+   answered: ``CancelAck``) -- failure and preemption paths, not a served request's.
 
 ``close()`` stops the loop, lets the WRITEs in flight finish (at most half the close time-out;
 their completions are sent as usual), says goodbye to every peer it is no longer writing to, closes
@@ -372,6 +376,7 @@ class TransferThread:
                     self.counters.inc("rejected", label="internal_error")
                     busy = False
                 if busy:
+                    self._stirred = self.clock()
                     time.sleep(0)  # in flight: keep NIXL progressing, but let others run
                     continue
                 self._wake.wait(self._sleep_s())
@@ -462,9 +467,10 @@ class TransferThread:
 
     def _sleep_s(self) -> float:
         """How long the loop may sleep now (module doc, 4.)."""
-        if self._awaiting():
-            return self.config.await_poll_s
         now = self.clock()
+        if self._awaiting():
+            self._stirred = now
+            return self.config.await_poll_s
         if self._holding():
             self._stirred = now
         if now - self._stirred < self.config.quiet_after_s:

@@ -790,10 +790,17 @@ def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
     assert t._sleep_s() == 0.001  # a heartbeat is overdue
     t.step()
     assert t._sleep_s() == 0.05
-    # awaiting a WRITE: await_poll_s, quiet or not
+    # awaiting a WRITE: await_poll_s, quiet or not; then quiet_after_s of grace, however
+    # long it awaited
     role.awaits = True
     assert t._sleep_s() == 0.0002
+    clock.t = 305.0
+    assert t._sleep_s() == 0.0002
     role.awaits = False
+    assert t._sleep_s() == 0.001
+    clock.t = 306.1
+    t.step()
+    assert t._sleep_s() == 0.05
     # a role without holding(): never quiet
     t.add_role(RecordingRole())
     clock.t = 400.0
