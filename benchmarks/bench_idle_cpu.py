@@ -7,7 +7,7 @@ defaults and one P/D pair whose transfer threads never back off (``quiet_poll_s`
 is ``idle_poll_s``: how every worker polled NIXL before 2026-12-04 21:00), each pair behind a
 router. Every system serves a few requests first (warm-up: handshakes, the first transfers),
 then nothing is sent for ``--settle-s`` (longer than ``quiet_after_s``) and each server's
-process group's CPU time (user + system, ``/proc/<pid>/stat``) is read over ``--window-s``:
+process group's CPU time (user + system, ``Server.cpu_seconds``) is read over ``--window-s``:
 the share of one core it took while idle. Repeated ``--rounds`` times.
 
 Usage::
@@ -37,24 +37,6 @@ from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_
 
 #: the P/D pairs: name -> their kv_connector_extra_config additions
 PAIRS = {"default": {}, "no back-off": {"quiet_poll_s": 0.001}}
-
-
-def group_cpu_s(server: Server) -> float:
-    """CPU seconds (user + system) of every live process in ``server``'s process group."""
-    pgid = os.getpgid(server.proc.pid)
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != pgid:
-                continue
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except (ProcessLookupError, FileNotFoundError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
 
 
 def main() -> None:
@@ -106,11 +88,11 @@ def main() -> None:
         rounds = []
         for _ in range(args.rounds):
             time.sleep(args.settle_s)
-            before = {k: group_cpu_s(s) for k, s in roles.items()}
+            before = {k: s.cpu_seconds() for k, s in roles.items()}
             t0 = time.monotonic()
             time.sleep(args.window_s)
             elapsed = time.monotonic() - t0
-            after = {k: group_cpu_s(s) for k, s in roles.items()}
+            after = {k: s.cpu_seconds() for k, s in roles.items()}
             rounds.append({k: 100 * (after[k] - before[k]) / elapsed for k in roles})
             print(json.dumps({k: round(v, 1) for k, v in rounds[-1].items()}), flush=True)
     finally:

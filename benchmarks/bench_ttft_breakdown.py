@@ -172,21 +172,6 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
     return rec
 
 
-def process_group(pgid: int) -> list[int]:
-    """The processes of the process group ``pgid`` (a server and everything it spawned)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                pids.append(int(entry))
-    return pids
-
-
 def cpu_waits(pids: list[int]) -> dict[int, int]:
     """Per thread of ``pids``, the time it has spent runnable but waiting for a CPU (the
     kernel's ``schedstat`` run delay, ns)."""
@@ -278,12 +263,12 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
             if "error" in r:
                 raise RuntimeError(f"warm-up on {url} failed: {r['error']}")
     # whose CPU waits are read around each request (the client: this process)
-    watch = {"single": {"client": [os.getpid()], "server": process_group(single.proc.pid)}}
+    watch = {"single": {"client": [os.getpid()], "server": single.pids()}}
     for sys_, (p_name, d_name) in group["systems"].items():
         watch[sys_] = {"client": [os.getpid()],
-                       "router": process_group(routers[sys_].proc.pid),
-                       "p": process_group(ps[p_name].proc.pid),
-                       "d": process_group(ds[d_name].proc.pid)}
+                       "router": routers[sys_].pids(),
+                       "p": ps[p_name].pids(),
+                       "d": ds[d_name].pids()}
     hits0 = metric(single.url, "vllm:prefix_cache_hits_total")
     load0 = os.getloadavg()
     reqs: dict[str, list[dict]] = {k: [] for k in urls}
@@ -534,7 +519,7 @@ def main() -> None:
                 srv.wait_healthy(300)
             if args.router_nice:
                 for r in routers.values():
-                    for pid in process_group(r.proc.pid):
+                    for pid in r.pids():
                         for tid in os.listdir(f"/proc/{pid}/task"):  # the nice value is per thread
                             os.setpriority(os.PRIO_PROCESS, int(tid), args.router_nice)
             fresh = []

@@ -57,3 +57,30 @@ def test_command_line(tmp_path, monkeypatch):
     s.proc.wait(10)
     s.stop()
     assert "--dtype" not in s.proc.args and "--tensor-parallel-size" not in s.proc.args
+
+
+def test_a_server_accounts_for_its_whole_process_group(tmp_path):
+    """``pids``, ``cpu_seconds`` and ``rss_bytes`` (the benchmarks' readings) cover the server's
+    children too, and nothing outside its group; a stopped server has no processes left."""
+    import os
+    import sys
+    import time
+
+    from kv_push.common.testing.vllm_servers import Server
+
+    child = ("import subprocess, sys, time; "
+             "c = subprocess.Popen([sys.executable, '-c', "
+             "'import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.3: pass"
+             "\\nprint(\"spun\", flush=True)\\ntime.sleep(60)']); time.sleep(60)")
+    server = Server("group", [sys.executable, "-c", child], {}, 0, tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while "spun" not in server.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = server.pids()
+        assert server.proc.pid in pids and len(pids) == 2 and os.getpid() not in pids
+        assert server.cpu_seconds() >= 0.3  # the grandchild's spin counts
+        assert server.rss_bytes() > 1 << 20
+    finally:
+        server.stop()
+    assert server.pids() == [] and server.cpu_seconds() == 0

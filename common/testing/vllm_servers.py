@@ -132,17 +132,31 @@ class Server:
                           file=sys.stderr)
         self._log.close()
 
-    def rss_bytes(self) -> int:
-        """Resident memory of every live process of this server (its process group)."""
-        total = 0
+    def _group_stats(self) -> list[tuple[int, list[str]]]:
+        """(pid, ``/proc/<pid>/stat`` fields after the command name) of every live process of
+        this server: the process group it leads (it and everything it spawned)."""
+        out = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[2]) == self.proc.pid:  # the process group this server leads
-                    total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+                if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # not zombies
+                    out.append((int(stat.parent.name), fields))
             except (OSError, IndexError, ValueError):
                 continue
-        return total
+        return out
+
+    def pids(self) -> list[int]:
+        """The live processes of this server."""
+        return [pid for pid, _ in self._group_stats()]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of every live process of this server."""
+        return sum(int(f[21]) for _, f in self._group_stats()) * os.sysconf("SC_PAGE_SIZE")
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the live processes of this server have used so far."""
+        return sum(int(f[11]) + int(f[12]) for _, f in self._group_stats()) / os.sysconf(
+            "SC_CLK_TCK")
 
     def kill9(self) -> None:
         try:
