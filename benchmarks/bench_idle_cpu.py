@@ -8,7 +8,8 @@ is ``idle_poll_s``: how every worker polled NIXL before 2026-12-04 21:00), each 
 router. Every system serves a few requests first (warm-up: handshakes, the first transfers),
 then nothing is sent for ``--settle-s`` (longer than ``quiet_after_s``) and each server's
 process group's CPU time (user + system, ``Server.cpu_seconds``) is read over ``--window-s``:
-the share of one core it took while idle. Repeated ``--rounds`` times.
+the share of one core it took while idle. Repeated ``--rounds`` times. Then, with the servers
+stopped, what one wake-up of an idle transfer thread costs (``wake_costs``).
 
 Usage::
 
@@ -22,21 +23,48 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-
+from bench_meta import source_commit
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, router,
                                                  vllm_server)
 
+REPO = Path(__file__).resolve().parents[1]
+
 #: the P/D pairs: name -> their kv_connector_extra_config additions
 PAIRS = {"default": {}, "no back-off": {"quiet_poll_s": 0.001}}
+
+
+def wake_costs() -> dict[str, dict[str, float]]:
+    """CPU (user + system) and wall time per call, in µs, of what an idle transfer thread does
+    once per wake-up: a timed wait on its wake event (as the loop waits: ``idle_poll_s``,
+    ``await_poll_s``, ``quiet_poll_s``), a plain ``time.sleep`` for comparison, and the NIXL
+    poll itself (an agent with no peers, UCX)."""
+    from kv_push.common.transport import NixlTransport  # noqa: PLC0415 (after argument parsing)
+
+    def per_call(fn, n: int) -> dict[str, float]:
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            fn()
+        return {"cpu_us": (time.process_time() - c0) / n * 1e6,
+                "wall_us": (time.perf_counter() - w0) / n * 1e6}
+
+    event = threading.Event()
+    transport = NixlTransport()
+    try:
+        return {"Event.wait(1 ms)": per_call(lambda: event.wait(0.001), 2000),
+                "Event.wait(0.2 ms)": per_call(lambda: event.wait(0.0002), 5000),
+                "Event.wait(20 ms)": per_call(lambda: event.wait(0.02), 100),
+                "time.sleep(1 ms)": per_call(lambda: time.sleep(0.001), 2000),
+                "nixl get_new_notifs": per_call(transport.get_notifs, 20000)}
+    finally:
+        transport.close()
 
 
 def main() -> None:
@@ -99,20 +127,18 @@ def main() -> None:
         for s in reversed(servers):
             s.stop()
     median = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
-                            "common", "benchmarks"], capture_output=True, text=True).stdout
+    wakes = wake_costs()  # with the servers gone: nothing else running
     result = {"meta": {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                              time.gmtime()),
-                       "commit": commit + (" + uncommitted changes" if dirty.strip() else ""),
+                       "commit": source_commit(),
                        "cpus": os.cpu_count(), "machine": platform.platform(),
                        "settle_s": args.settle_s, "window_s": args.window_s,
                        "pairs": PAIRS, "unit": "percent of one core, idle"},
-              "rounds": rounds, "median": median}
+              "rounds": rounds, "median": median, "wake_cost_us": wakes}
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1))
     print(f"median (% of one core, idle): {json.dumps({k: round(v, 1) for k, v in median.items()})}"
+          f"\nper wake-up (µs): {json.dumps({k: {m: round(v, 1) for m, v in c.items()} for k, c in wakes.items()})}"
           f"\nwrote {out}")
 
 

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_meta import source_commit
+
 REPO = Path(__file__).resolve().parents[1]
 
 _CHUNK = {"id": "cmpl-x", "object": "text_completion", "created": 1, "model": "m"}
@@ -201,13 +203,8 @@ def main() -> None:
     finally:
         fakes.kill()
         fakes.wait()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
-    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                      capture_output=True, text=True).stdout.strip():
-        commit += "+uncommitted changes"
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                      "commit": commit, "host": platform.node(), "cpus": os.cpu_count(),
+                      "commit": source_commit(), "host": platform.node(), "cpus": os.cpu_count(),
                       "requests": args.requests, "loadavg_before": load0,
                       "loadavg_after": load1}
     out = Path(args.out)

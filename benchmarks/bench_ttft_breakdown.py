@@ -61,12 +61,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +75,7 @@ from typing import Any
 
 import httpx
 
+from bench_meta import source_commit
 from kv_push.common import timing
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
                                                  router, vllm_server)
@@ -211,6 +212,9 @@ def stages_of(records: list[dict], req: dict) -> dict[str, float] | None:
         out["client_first_token"] = (req["t_first"] - t_send) * 1000
     how = [r.get("how") for r in records if r["tid"] == tids[0] and r["stage"] == "p_prefill_done"]
     out["_how"] = how[0] if how else None  # type: ignore[assignment]
+    first = [r.get("source", "decode") for r in records
+             if r["tid"] == tids[0] and r["stage"] == "router_first_byte"]
+    out["_first_from"] = first[0] if first else None  # type: ignore[assignment]
     return out
 
 
@@ -239,10 +243,10 @@ def breakdown(per_req: list[dict[str, float]]) -> dict:
         vals = [r[b] - r[a] for r in per_req if a in r and b in r]
         if vals:
             segs[f"{a} -> {b}"] = statistics.median(vals)
-    hows: dict[str, int] = {}
-    for r in per_req:
-        hows[str(r.get("_how"))] = hows.get(str(r.get("_how")), 0) + 1
-    return {"at_ms": at, "segments_ms": segs, "announced": hows, "n": len(per_req)}
+    hows = collections.Counter(str(r.get("_how")) for r in per_req)
+    first = collections.Counter(str(r.get("_first_from")) for r in per_req)
+    return {"at_ms": at, "segments_ms": segs, "announced": dict(hows),
+            "first_token_from": dict(first), "n": len(per_req)}
 
 
 def rel(a: float | None, b: float | None) -> float | None:
@@ -382,8 +386,10 @@ def write_md(path: Path, result: dict) -> None:
         s = g["single"]
         for sy in g["systems"]:
             p = sy["push"]
-            first_from_p = "first-token=prefill" in sy["system"]
-            if s.get("itl_p50_ms") is None or s.get("ttft_p50_ms") is None or first_from_p:
+            # the floor is D's: leave out systems whose clients got most first tokens from P
+            got = sy["breakdown"].get("first_token_from", {})
+            from_p = got.get("prefill", 0) > sum(got.values()) / 2
+            if s.get("itl_p50_ms") is None or s.get("ttft_p50_ms") is None or from_p:
                 continue
             floor = s["ttft_p50_ms"] + s["itl_p50_ms"]
             lines.append(f"| {g['group']} | {sy['system']} | {f1(s['ttft_p50_ms'])} ms | "
@@ -433,7 +439,10 @@ def write_md(path: Path, result: dict) -> None:
                 [f"{w[k]:.2f}" if k in w else "-"
                  for k in ("client", "server", "router", "p", "d")]) + " |")
     lines += ["", "How P announced each measured prefill (`p_prefill_done`'s `how`): " + "; ".join(
-        f"{sy['system']}: {sy['breakdown']['announced']}" for _, sy in systems) + ".", ""]
+        f"{sy['system']}: {sy['breakdown']['announced']}" for _, sy in systems) + ". Where the "
+        "client's first token came from (the router's `router_first_byte` stamp): " + "; ".join(
+        f"{sy['system']}: {sy['breakdown'].get('first_token_from')}" for _, sy in systems) + ".",
+        ""]
     path.write_text("\n".join(lines))
 
 
@@ -533,9 +542,7 @@ def main() -> None:
         for srv in list(servers):
             srv.stop()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip() or os.environ.get(
-                                "BENCH_COMMIT", "")
+    commit = source_commit()
     result = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "commit": commit, "command": " ".join(["bench_ttft_breakdown.py",
                                                               *sys.argv[1:]]),

@@ -363,7 +363,7 @@ class PushScheduler:
         self._recv_tids: dict[str, str] = {}
         # timing lines only: requests planned into the step whose output comes next, with the
         # stage to stamp when it does (D: its first step after the KV; P: its prefill's step)
-        self._first_step: dict[str, tuple[str, str]] = {}
+        self._stamp_at_output: dict[str, tuple[str, str]] = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def _params(self, request) -> TransferParams | None:
@@ -455,10 +455,10 @@ class PushScheduler:
 
     def on_step_output(self) -> None:
         """vLLM processed a step's output (``update_connector_output``): timing lines only."""
-        if timing.ENABLED and self._first_step:
-            for rid, (stage, tid) in self._first_step.items():
+        if timing.ENABLED and self._stamp_at_output:
+            for rid, (stage, tid) in self._stamp_at_output.items():
                 timing.stamp(stage, tid, key=rid)
-            self._first_step.clear()
+            self._stamp_at_output.clear()
 
     # -- both ------------------------------------------------------------------------------------
     def request_finished(self, request, block_ids: list[int], finished_ok: bool
@@ -561,7 +561,7 @@ class PushScheduler:
             for rid in [r for r in self._recv_tids if r in scheduled]:
                 tid = self._recv_tids.pop(rid)
                 timing.stamp("d_scheduled", tid, key=rid)
-                self._first_step[rid] = ("d_first_step_done", tid)
+                self._stamp_at_output[rid] = ("d_first_step_done", tid)
         plan, self._plan = self._plan, StepPlan()
         return plan
 
@@ -592,8 +592,8 @@ class PushScheduler:
                 continue
             ready = PrefillReady(rid, params.transfer_id, tuple(int(b) for b in blocks[:need]),
                                  n, prompt_digest(prompt), params.fanout)
-            if timing.ENABLED and rid not in self._first_step:
-                self._first_step[rid] = ("p_step_output", params.transfer_id)
+            if timing.ENABLED and rid not in self._stamp_at_output:
+                self._stamp_at_output[rid] = ("p_step_output", params.transfer_id)
             if self.early_prefill_done:
                 self._announced[rid] = ready
                 self._plan.completing.append(ready)

@@ -83,4 +83,7 @@ def test_a_server_accounts_for_its_whole_process_group(tmp_path):
         assert server.rss_bytes() > 1 << 20
     finally:
         server.stop()
+    deadline = time.monotonic() + 10  # the grandchild got SIGTERM with the group: it goes soon
+    while server.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert server.pids() == [] and server.cpu_seconds() == 0

@@ -1,0 +1,24 @@
+"""What the benchmarks record about the code they measured."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def source_commit() -> str:
+    """The checkout's short HEAD, with ``+uncommitted changes`` when tracked files differ from
+    it (a run of code no commit holds); ``BENCH_COMMIT`` from the environment outside a git
+    checkout (a copy on a device machine)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return os.environ.get("BENCH_COMMIT", "")
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+uncommitted changes"
+    return commit
