@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,30 +59,17 @@ def figures():
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on now (``kv_push.common.testing.ports``)."""
+    from kv_push.common.testing.ports import free_port as pick
+
+    return pick()
 
 
 def free_port_pair(count: int = 2) -> int:
     """A base port ``p`` with ``p .. p+count-1`` all free right now (for producer TP groups)."""
-    for _ in range(200):
-        base = free_port()
-        if base + count >= 65536:
-            continue
-        socks = []
-        try:
-            for i in range(count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports found")
+    from kv_push.common.testing.ports import free_ports
+
+    return free_ports(count)
 
 
 def start_peers(*specs, concurrency: int = 3, start_timeout: float = 180.0):

@@ -28,6 +28,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kv_push.common.testing.ports import free_ports
+
 
 @dataclass
 class Behavior:
@@ -263,10 +265,8 @@ class _Server(uvicorn.Server):
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on (bound and closed again)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on (``kv_push.common.testing.ports``)."""
+    return free_ports(1)
 
 
 def bind() -> tuple[socket.socket, str]:

@@ -24,6 +24,7 @@ from kv_push.common.router.app import (PULL_PREFILL_PARAMS, Router, build_app, l
 from kv_push.common.router.config import RouterConfig, parse_args, parse_prefill_spec
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.side_channel import SideChannelServer
+from kv_push.common.testing.ports import free_ports
 
 try:
     from tests.fake_vllm import FakeVLLM, bind, free_port, serve_all
@@ -32,20 +33,7 @@ except ModuleNotFoundError:  # rootdir-less import (tests/ has no __init__.py)
 
 def _free_base(count: int = 3) -> int:
     """A base port with ``count`` free ports after it (the fake producers' side channels)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        try:
-            for i in range(count):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no run of free ports")
+    return free_ports(count)
 
 
 KV_BASE_PORT = _free_base()  # P i's side channel: KV_BASE_PORT + i (rank r of P 0: + r)

@@ -87,3 +87,54 @@ def test_a_server_accounts_for_its_whole_process_group(tmp_path):
     while server.pids() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.pids() == [] and server.cpu_seconds() == 0
+
+
+def test_a_failed_start_reports_the_engines_root_cause(tmp_path):
+    """vLLM's API server reports a failed engine core last, in a traceback longer than a plain
+    tail ("See root cause above"): ``wait_healthy`` quotes the first error, and the end too."""
+    import sys
+
+    import pytest
+
+    from kv_push.common.testing.vllm_servers import Server
+
+    script = ("print('INFO starting'); "
+              "print('(EngineCore pid=1) ERROR 12-04 EngineCore failed to start.'); "
+              "print('HandshakeError: cannot listen on 0.0.0.0:20001 for KV handshakes'); "
+              "[print(f'  File \"api.py\", line {i}, in run') for i in range(200)]; "
+              "print('RuntimeError: Engine core initialization failed. See root cause above.'); "
+              "raise SystemExit(1)")
+    server = Server("prefill", [sys.executable, "-c", script], {}, 1, tmp_path)
+    with pytest.raises(RuntimeError) as failed:
+        server.wait_healthy(timeout=60)
+    message = str(failed.value)
+    assert "prefill exited with 1" in message
+    assert "cannot listen on 0.0.0.0:20001" in message  # the root cause, 200 lines up
+    assert "See root cause above" in message            # and the end
+    assert "line 100," not in message                   # not the whole log
+
+
+def test_ports_come_from_outside_the_ephemeral_range():
+    """Ports the kernel hands to outgoing connections on its own (the ephemeral range) can be
+    taken between the pick and a server's bind: the picks stay out of that range, are bindable
+    and are never handed out twice."""
+    import socket
+
+    from kv_push.common.testing.ports import ephemeral_range, free_port, free_ports
+
+    first, last = ephemeral_range()
+    picked = [free_port() for _ in range(50)] + [free_ports(4) + i for _ in range(10)
+                                                  for i in range(4)]
+    assert len(set(picked)) == len(picked)
+    assert not any(first <= p <= last for p in picked)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", picked[-1]))
+
+
+def test_ephemeral_range_is_read_from_the_kernel(tmp_path):
+    from kv_push.common.testing.ports import ephemeral_range
+
+    conf = tmp_path / "range"
+    conf.write_text("10000\t20000\n")
+    assert ephemeral_range(str(conf)) == (10000, 20000)
+    assert ephemeral_range(str(tmp_path / "absent")) == (32768, 60999)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from kv_push.common.testing.ports import free_port  # noqa: F401  (tests import it from here)
 
 #: the environment variable that overrides the servers' ``--dtype`` (see the module docstring)
 DTYPE_ENV = "KV_PUSH_E2E_DTYPE"
@@ -54,22 +55,6 @@ def server_dtype(env: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinf
     return None, "no AMX on this CPU: the model's bf16"
 
 
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nobody listens on now, never one this process handed out before: the ports are
-    bound later by the servers, so two calls in a row could otherwise get the same one (seen: a
-    prefill server's HTTP port equal to its side-channel port)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-
-
 class Server:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path):
         self.name, self.port = name, port
@@ -97,14 +82,30 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
-                                   f"{self.tail()}")
+                                   f"{self.failure_excerpt()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.tail()}")
+        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.failure_excerpt()}")
+
+    def failure_excerpt(self, first: int = 40, last: int = 30) -> str:
+        """The log's first error (where vLLM's engine core says why it failed) and its end.
+
+        A failed engine core is reported last by the API server, in a traceback of its own that
+        fills a plain tail ("Engine core initialization failed. See root cause above"): the root
+        cause is the first ``ERROR`` line or traceback, printed by the engine core earlier."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        start = next((i for i, line in enumerate(lines)
+                      if " ERROR " in line or line.startswith("Traceback")), None)
+        if start is None or start + first >= len(lines) - last:
+            return "\n".join(lines[-(first + last):])
+        return "\n".join([*lines[start:start + first], "[...]", *lines[-last:]])
 
     def tail(self, n: int = 60) -> str:
         try:
