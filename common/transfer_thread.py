@@ -471,8 +471,9 @@ class TransferThread:
         if self._awaiting():
             self._stirred = now
             return self.config.await_poll_s
-        if self._holding():
+        if self._holding():  # never quiet, whatever quiet_after_s is (0 included)
             self._stirred = now
+            return self.config.idle_poll_s
         if now - self._stirred < self.config.quiet_after_s:
             return self.config.idle_poll_s
         return max(self.config.idle_poll_s, min(self.config.quiet_poll_s, self._next_hb - now))

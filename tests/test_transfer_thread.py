@@ -806,3 +806,85 @@ def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
     clock.t = 400.0
     assert t._sleep_s() == 0.001
     t.close()
+
+
+def test_holding_never_backs_off_even_with_no_grace():
+    """``quiet_after_s = 0`` (allowed: back off as soon as nothing is held) still never lets a
+    thread whose role holds something sleep ``quiet_poll_s``: a decoder registering with a
+    producer that already holds the prefill would otherwise wait up to that long."""
+    wire = Wire()
+    ta = FakeTransport(wire, "A")
+    clock = FakeClock(100.0)
+    cfg = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, quiet_after_s=0.0,
+                     heartbeat_interval_s=60.0)
+
+    class Holding(RecordingRole):
+        held = True
+
+        def holding(self) -> bool:
+            return self.held
+
+        def awaiting(self) -> bool:
+            return False
+
+    role = Holding()
+    b = FakeTransport(wire, "B")
+    t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
+    t.add_role(role)
+    t.add_peer(b.metadata(), engine_id="B", tp_rank=0, geometry=GEOM, digest=DIGEST)
+    b.add_peer(b"meta:A")
+    t.step()  # the first heartbeat: the next is due at 115
+    clock.t = 110.0
+    assert t._sleep_s() == 0.001
+    role.held = False
+    assert t._sleep_s() == 0.05
+    t.close()
+
+
+def test_the_running_loop_counts_busy_time_as_activity():
+    """The loop itself (not only ``_sleep_s``): while a role is busy (WRITEs in flight) the
+    thread spins; once it is not, it keeps ``idle_poll_s`` for ``quiet_after_s`` counted from
+    the end of the busy spell, not from the last message before it."""
+    wire = Wire()
+    ta = FakeTransport(wire, "A")
+    clock = FakeClock(100.0)
+    cfg = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, quiet_after_s=1.0,
+                     heartbeat_interval_s=600.0)
+
+    class Busy(RecordingRole):
+        spinning = True
+        polls = 0
+
+        def busy(self) -> bool:
+            self.polls += 1
+            return self.spinning
+
+        def holding(self) -> bool:
+            return False
+
+        def awaiting(self) -> bool:
+            return False
+
+    role = Busy()
+    t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
+    t.add_role(role)
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while role.polls < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        clock.t = 200.0  # a long busy spell: nothing came in meanwhile
+        seen = role.polls
+        while role.polls < seen + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        role.spinning = False
+        seen = role.polls
+        while role.polls < seen + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert role.polls >= seen + 3
+        clock.t = 200.5  # half a second after the spell ended: not quiet yet
+        assert t._sleep_s() == 0.001
+        clock.t = 201.5
+        assert t._sleep_s() == 0.05
+    finally:
+        t.close()

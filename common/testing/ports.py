@@ -22,6 +22,9 @@ import socket
 from pathlib import Path
 
 _HANDED_OUT: set[int] = set()
+#: not the module-level generator: a test that seeds that one would make every run pick the
+#: same ports
+_RANDOM = random.SystemRandom()
 #: the lowest port picked: above the registered services most machines run
 _LOWEST = 20000
 
@@ -59,7 +62,7 @@ def free_ports(count: int = 1) -> int:
     process (a producer at TP ``count`` listens on ``p + rank``)."""
     pool = _pool(count)
     for _ in range(500):
-        base = random.choice(pool)
+        base = _RANDOM.choice(pool)
         run = range(base, base + count)
         if any(p in _HANDED_OUT for p in run):
             continue
