@@ -724,6 +724,26 @@ def test_worker_describes_what_it_holds_and_logs_it_when_asked(monkeypatch, capl
         w.close()
 
 
+@dataclass
+class SwitchedRole(RecordingRole):
+    """A role whose ``holding``/``awaiting``/``busy`` answers the test sets (``polls``: how
+    often the loop asked ``busy``)."""
+    held: bool = False
+    awaits: bool = False
+    spinning: bool = False
+    polls: int = 0
+
+    def holding(self) -> bool:
+        return self.held
+
+    def awaiting(self) -> bool:
+        return self.awaits
+
+    def busy(self) -> bool:
+        self.polls += 1
+        return self.spinning
+
+
 def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
     """The loop's sleep (``_sleep_s``, module doc 4.): ``idle_poll_s`` while a role holds
     something or for ``quiet_after_s`` after the last work or message, then ``quiet_poll_s``
@@ -735,17 +755,7 @@ def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
     cfg = PushConfig(heartbeat_interval_s=4.0, idle_poll_s=0.001, await_poll_s=0.0002,
                      quiet_poll_s=0.05, quiet_after_s=1.0)
 
-    class Quiet(RecordingRole):
-        held = False
-        awaits = False
-
-        def holding(self) -> bool:
-            return self.held
-
-        def awaiting(self) -> bool:
-            return self.awaits
-
-    role = Quiet()
+    role = SwitchedRole()
     t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
     t.add_role(role)
     t.add_peer(b.metadata(), engine_id="B", tp_rank=0, geometry=GEOM, digest=DIGEST)
@@ -818,16 +828,7 @@ def test_holding_never_backs_off_even_with_no_grace():
     cfg = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, quiet_after_s=0.0,
                      heartbeat_interval_s=60.0)
 
-    class Holding(RecordingRole):
-        held = True
-
-        def holding(self) -> bool:
-            return self.held
-
-        def awaiting(self) -> bool:
-            return False
-
-    role = Holding()
+    role = SwitchedRole(held=True)
     b = FakeTransport(wire, "B")
     t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
     t.add_role(role)
@@ -851,21 +852,7 @@ def test_the_running_loop_counts_busy_time_as_activity():
     cfg = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, quiet_after_s=1.0,
                      heartbeat_interval_s=600.0)
 
-    class Busy(RecordingRole):
-        spinning = True
-        polls = 0
-
-        def busy(self) -> bool:
-            self.polls += 1
-            return self.spinning
-
-        def holding(self) -> bool:
-            return False
-
-        def awaiting(self) -> bool:
-            return False
-
-    role = Busy()
+    role = SwitchedRole(spinning=True)
     t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
     t.add_role(role)
     t.start()
