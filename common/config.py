@@ -14,6 +14,7 @@ there is refused. The key never appears in ``repr`` or in an error message.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -169,8 +170,11 @@ class PushConfig:
                     f"{SECRET_ENV} in the environment, or 'secret_file' (a path) to a file "
                     "holding the key, on every producer, decoder and router")
             if key not in fields:
+                close = difflib.get_close_matches(key, list(fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(
-                    f"unknown kv_connector_extra_config key {key!r}; known: {sorted(fields)}"
+                    f"unknown kv_connector_extra_config key {key!r}{hint}; known: "
+                    f"{sorted(k for k in fields if k != 'secret')}"
                 )
             values[key] = _coerce(key, fields[key], raw)
         for key, var in (

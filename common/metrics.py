@@ -64,6 +64,8 @@ COUNTERS = {
     "staging_launches": "kernel launches of staged pack/unpack (label: the kernels, triton = "
                         "one fused launch per chunk, torch = one op per layer, part and segment)",
     "staged_fallback": "registrations that took the region path although staging was on, by reason",
+    "side_channel_probes": "side-channel connections that read the challenge and closed "
+                           "without a frame (the router's /health?probe), not handshakes",
     "released": "prefills freed at once by a router Release (no decoder had claimed them)",
     "release_deferred": "prefills of a released transfer left to their decoder's fence/cancel "
                         "path (already claimed); freed when those claims are done",

@@ -93,11 +93,17 @@ class _Explained(HandshakeError):
     """A handshake failure whose message already names the peer and the cause."""
 
 
+class ClosedBeforeFrame(HandshakeError):
+    """The peer closed the connection before sending a byte of its frame."""
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
+            if not buf:
+                raise ClosedBeforeFrame("peer closed the side channel before its frame")
             raise HandshakeError("peer closed the side channel mid-frame")
         buf += chunk
     return bytes(buf)
@@ -318,6 +324,33 @@ def release(host: str, port: int, transfer_ids: tuple[str, ...], codec: Codec,
     return reply
 
 
+def probe(host: str, port: int, codec: Codec, timeout: float) -> str | None:
+    """Router side (``/health?probe``): is a producer's side channel listening at host:port and
+    speaking this protocol with this router's secret? None when it is, else what is wrong. It
+    reads the producer's ``Challenge`` and closes without a frame, which the producer counts as
+    a probe (``side_channel_probes``), not as a failed handshake."""
+    where = f"{host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            raw = recv_raw(sock)
+    except socket.timeout:
+        return f"KV side channel {where}: no challenge within {timeout:g}s"
+    except MessageRejected as e:  # an oversize frame
+        return f"KV side channel {where}: not a kv_push side channel ({e})"
+    except OSError as e:
+        return f"KV side channel {where}: {e}"
+    try:
+        challenge = codec.decode(raw)
+    except MessageRejected as e:
+        if e.reason in _SECRET_REASONS:
+            return f"KV side channel {where}: {explain(e, f'the producer at {where}', 'router')}"
+        return f"KV side channel {where}: not a kv_push side channel ({e})"
+    if not isinstance(challenge, Challenge):
+        return f"KV side channel {where}: opened with {type(challenge).__name__}, not Challenge"
+    return None
+
+
 class SideChannelServer:
     """Producer side: answers handshakes with ``on_hello(hello) -> Welcome`` (which may raise)
     and, with ``on_release``, the router's releases with ``on_release(release) -> ReleaseAck``.
@@ -332,11 +365,12 @@ class SideChannelServer:
                  on_reject: Callable[[str, str], None], timeout: float,
                  on_closed: Callable[[Hello], None] | None = None, max_connections: int = 1024,
                  on_release: Callable[[Release], ReleaseAck] | None = None,
-                 on_release_reject: Callable[[str, str], None] | None = None):
+                 on_release_reject: Callable[[str, str], None] | None = None,
+                 on_probe: Callable[[str], None] | None = None):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
-        on_closed_, on_release_ = on_closed, on_release
+        on_closed_, on_release_, on_probe_ = on_closed, on_release, on_probe
         on_release_reject_ = on_release_reject or on_reject
 
         def answer_release(msg: Release, nonce: bytes, peer: str) -> Message:
@@ -366,7 +400,14 @@ class SideChannelServer:
                 msg: Message | None = None
                 try:
                     send_frame(sock, codec_, Challenge(nonce=nonce))
-                    raw = recv_raw(sock)
+                    try:
+                        raw = recv_raw(sock)
+                    except ClosedBeforeFrame:
+                        # read the challenge and left without a word: a liveness probe (the
+                        # router's /health?probe), not a failed handshake
+                        if on_probe_ is not None:
+                            on_probe_(peer)
+                        return
                     try:
                         msg = codec_.decode(raw)
                     except MessageRejected as e:

@@ -118,6 +118,7 @@ class PushWorker:
                 on_release=self._accept_release,
                 on_release_reject=lambda reason, detail: self.counters.reject(
                     reason, detail, context="router release", counter="release_rejected"),
+                on_probe=lambda peer: self.counters.inc("side_channel_probes"),
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)

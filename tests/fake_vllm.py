@@ -40,7 +40,9 @@ class Behavior:
     chunk_interval: float = 0.0  # seconds between streamed chunks
     transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
     stream_error: bool = False  # a stream fails before any output, as vLLM's does (HTTP 200,
-    # then an error event and [DONE])
+    # then -- chat: after its role chunk -- an error event and [DONE])
+    error_after_output: bool = False  # a stream fails after its content chunks (error event)
+    linger_after_done: float = 0.0  # seconds the body stays open after its [DONE]
     metrics_text: str = ""  # what GET /metrics answers
     break_after: int | None = None  # a stream breaks (connection dropped) after this many chunks
     #: the generated tokens' texts (default "<name>-tok<i> "); with them, streams look like
@@ -49,6 +51,13 @@ class Behavior:
     #: adds a usage chunk
     tokens: list[str] | None = None
     eos_at: int | None = None  # the token index that is an end of sequence (its text is "")
+
+
+def _role_chunk(rid: str) -> dict:
+    return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 1700000000,
+            "model": "fake-model", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                                "logprobs": None, "finish_reason": None}]}
 
 
 @dataclass
@@ -211,7 +220,10 @@ class FakeVLLM:
             if b.stream_error:
                 err = {"error": {"message": "Internal server error",
                                  "type": "InternalServerError", "param": None, "code": 500}}
-                for data in (f"data: {json.dumps(err)}\n\n".encode(), b"data: [DONE]\n\n"):
+                # vLLM's chat stream sends its role chunk before it learns of the failure
+                role = ([f"data: {json.dumps(_role_chunk(rid))}\n\n".encode()] if chat else [])
+                for data in (*role, f"data: {json.dumps(err)}\n\n".encode(),
+                             b"data: [DONE]\n\n"):
                     rec.sent += data
                     yield data
                 rec.completed = True
@@ -237,9 +249,17 @@ class FakeVLLM:
                     await asyncio.sleep(b.chunk_interval)
                 rec.sent += data
                 yield data
+            if b.error_after_output:
+                err = {"error": {"message": "Internal server error",
+                                 "type": "InternalServerError", "param": None, "code": 500}}
+                data = f"data: {json.dumps(err)}\n\n".encode()
+                rec.sent += data
+                yield data
             rec.sent += b"data: [DONE]\n\n"
             rec.completed = True  # before the last send, so the watcher can tell a normal end
             yield b"data: [DONE]\n\n"
+            if b.linger_after_done:  # the body's end comes later (a slow connection close)
+                await asyncio.sleep(b.linger_after_done)
         finally:
             rec.end = time.monotonic()
             if not rec.completed:

@@ -274,3 +274,12 @@ def test_peer_timeout_derived(interval):
 def test_a_bad_early_prefill_done_says_what_it_accepts():
     with pytest.raises(ConfigError, match=r"early_prefill_done must be one of auto, off, got 'yes'"):
         PushConfig.from_sources({"early_prefill_done": "yes"}, env={})
+
+
+@pytest.mark.parametrize("key,meant", [("heartbeat_interval", "heartbeat_interval_s"),
+                                       ("side_chanel_port", "side_channel_port")])
+def test_a_misspelt_key_gets_the_likely_one(key, meant):
+    with pytest.raises(ConfigError) as e:
+        PushConfig.from_sources({key: 1}, env={})
+    assert f"did you mean {meant!r}?" in str(e.value)
+    assert "'secret'" not in str(e.value).split("known:")[1]  # refused, never a "known" key

@@ -51,13 +51,18 @@ class SideChannelRecorder:
         self.releases: list[str] = []
         self.batches = 0
         self.rejects: list[str] = []
+        self.probes = 0
         self.gate = threading.Event()
         self.gate.set()
         self.srv = SideChannelServer(
             "127.0.0.1", port, Codec(secret), on_hello=self._no_hello,
             on_reject=lambda reason, detail: self.rejects.append(reason), timeout=5.0,
             on_release=self._take,
-            on_release_reject=lambda reason, detail: self.rejects.append(reason)).start()
+            on_release_reject=lambda reason, detail: self.rejects.append(reason),
+            on_probe=self._probed).start()
+
+    def _probed(self, peer: str) -> None:
+        self.probes += 1
 
     @staticmethod
     def _no_hello(hello):
@@ -72,6 +77,8 @@ class SideChannelRecorder:
     def close(self) -> None:
         self.gate.set()
         self.srv.close()
+
+
 COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 16}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
         "max_completion_tokens": 16}
@@ -280,6 +287,10 @@ async def _ended_without_output(c: Cluster, how: str) -> str:
         d.behavior.stream_error = True
         r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
         assert b'"error"' in r.content
+    elif how == "decode_error_event_chat":  # the same after vLLM's chat role chunk
+        d.behavior.stream_error = True
+        r = await c.client.post("/v1/chat/completions", json=dict(CHAT, stream=True))
+        assert b'"role"' in r.content and b'"error"' in r.content
     elif how == "prefill_error":
         p.behavior.fail_status, d.behavior.delay = 500, 10.0
         r = await c.client.post("/v1/completions", json=COMPLETION)
@@ -288,7 +299,7 @@ async def _ended_without_output(c: Cluster, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["client_gone", "decode_error", "decode_error_event",
-                                 "prefill_error"])
+                                 "decode_error_event_chat", "prefill_error"])
 async def test_an_exchange_without_decode_output_releases_its_prefill(how: str):
     async with cluster() as c:
         (sc,) = c.side_channels
@@ -299,6 +310,75 @@ async def test_an_exchange_without_decode_output_releases_its_prefill(how: str):
         m = await c.metrics()
         assert m[("kv_push_router_releases_total", (("result", "sent"),))] == 1
         assert sc.rejects == []
+
+
+def _outcomes(m: dict, endpoint: str) -> dict[str, float]:
+    return {dict(k[1])["outcome"]: v for k, v in m.items()
+            if k[0] == "kv_push_router_requests_total" and dict(k[1])["endpoint"] == endpoint}
+
+
+async def test_a_chat_stream_failing_after_its_role_chunk_is_not_a_served_request():
+    """vLLM's chat stream opens with a role chunk even when the request then fails (HTTP 200,
+    role chunk, error event, [DONE]). The router reads past the role chunk: with D's refusal
+    of this P on record the client gets the reason as an HTTP error and the pair stays listed
+    as incompatible; with no reason known the stream reaches the client as vLLM sent it. Either
+    way it counts as a decode error (not "ok") and P's prefill is released (D produced
+    nothing)."""
+    async with cluster() as c:
+        (sc,), (d,) = c.side_channels, c.decodes
+        d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "incompatible_peers"
+        d.behavior.fail_status, d.behavior.stream_error = None, True
+        for _ in range(2):  # twice: the first must not have cleared the pair
+            r = await c.client.post("/v1/chat/completions", json=dict(CHAT, stream=True))
+            assert r.status_code == 500 and r.json()["error"]["type"] == "incompatible_peers"
+            assert (await c.client.get("/health")).json()["incompatible"]
+        # no refusal on record (another pair, or D restarted): vLLM's stream as it is
+        c.router.compat.incompatible.clear()
+        c.router.compat._cleared.clear()
+        d.behavior.metrics_text = ""
+        status, data, headers = await post(c, "/v1/chat/completions", dict(CHAT, stream=True))
+        assert status == 200 and data == d.records[-1].sent
+        assert b'"role"' in data and b'"error"' in data and data.endswith(b"data: [DONE]\n\n")
+        await eventually(lambda: headers["x-request-id"] in sc.releases, "P's release")
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert _outcomes(await c.metrics(), "/v1/chat/completions") == {"decode_error": 3}
+        assert len(sc.releases) == 4
+
+
+async def test_a_stream_failing_after_output_is_counted_as_a_decode_error():
+    """An error event after D's output (vLLM's way to fail a stream it has begun) is passed on
+    and counted as D's error; P is not released (D's engine had the request)."""
+    async with cluster() as c:
+        (sc,), (d,) = c.side_channels, c.decodes
+        d.behavior.error_after_output = True
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200 and data == d.records[0].sent and b'"error"' in data
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert _outcomes(await c.metrics(), "/v1/completions") == {"decode_error": 1}
+        assert sc.releases == []
+
+
+async def test_a_client_leaving_after_the_final_done_was_served():
+    """A client that reads the stream's [DONE] and hangs up at once, while D has not closed its
+    body yet, had the whole response: counted "ok", not a disconnect, and P's leg is left to
+    finish rather than cancelled."""
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        d.behavior.linger_after_done = 2.0
+        async with c.client.stream("POST", "/v1/completions",
+                                   json=dict(COMPLETION, stream=True)) as r:
+            got = b""
+            async for chunk in r.aiter_bytes():
+                got += chunk
+                if got.endswith(b"data: [DONE]\n\n"):
+                    break
+        assert got == d.records[0].sent
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert _outcomes(await c.metrics(), "/v1/completions") == {"ok": 1}
+        assert not p.records[0].disconnected
 
 
 async def test_an_exchange_with_decode_output_releases_nothing():
@@ -669,6 +749,27 @@ async def test_bad_json_is_400():
 # -- metrics, health, models -------------------------------------------------------------------
 
 
+async def test_a_health_probe_checks_each_prefills_kv_side_channel():
+    """``/health?probe`` dials each P's ``kv=`` side channel as a decoder would: a wrong port
+    (nothing listens there) makes P unhealthy with the reason, instead of every request failing
+    with D's bare "Internal server error" while the probe says all is well. The producer counts
+    the probe as a probe (``side_channel_probes``), not as a failed handshake."""
+    async with cluster(side_channels=False) as c:
+        h = await c.client.get("/health", params={"probe": "true"})
+        assert h.status_code == 503, h.json()
+        (p,) = h.json()["prefill"]
+        assert p["healthy"] is False
+        assert f"KV side channel 127.0.0.1:{KV_BASE_PORT}" in p["error"], p
+        assert h.json()["decode"][0]["healthy"] is True
+        rec = SideChannelRecorder(KV_BASE_PORT)  # now P's side channel listens
+        try:
+            h = await c.client.get("/health", params={"probe": "true"})
+            assert h.status_code == 200 and h.json()["prefill"][0]["healthy"] is True, h.json()
+            assert rec.probes == 1 and rec.rejects == []
+        finally:
+            rec.close()
+
+
 async def test_metrics_health_and_models():
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes
@@ -749,8 +850,12 @@ def test_parse_refusals_reads_labels_and_skips_noise():
     assert parse_refusals(text) == {"127.0.0.1:5600": (REFUSAL, 2.0), "10.9.9.9:1": ("other", 3.0)}
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
+@pytest.mark.parametrize("stream", [False, True, "chat"])
+async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool | str):
+    """(chat: vLLM's chat stream opens with a role chunk before its error event; the router
+    reads past it, so the client still gets the reason as an HTTP error.)"""
+    endpoint, body = (("/v1/chat/completions", dict(CHAT, stream=True)) if stream == "chat"
+                      else ("/v1/completions", dict(COMPLETION, stream=stream)))
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes
         if stream:
@@ -758,7 +863,7 @@ async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
         else:
             d.behavior.fail_status = 500
         d.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
-        r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream))
+        r = await c.client.post(endpoint, json=body)
         assert r.status_code == 500
         err = r.json()["error"]
         assert err["type"] == "incompatible_peers", err
@@ -772,6 +877,9 @@ async def test_incompatible_pair_reason_reaches_client_and_health(stream: bool):
         m = await c.metrics()
         assert m[("kv_push_router_upstream_errors_total",
                   (("kind", "incompatible"), ("leg", "decode")))] == 1
+        # the failed request is not a served one
+        assert m[("kv_push_router_requests_total", (("endpoint", endpoint), ("mode", "push"),
+                                                    ("outcome", "decode_error")))] == 1
         # D is reconfigured and works: the old refusals are history
         d.behavior.fail_status, d.behavior.stream_error = None, False
         assert (await post(c, "/v1/completions", COMPLETION))[0] == 200

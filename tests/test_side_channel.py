@@ -43,6 +43,7 @@ from kv_push.common.side_channel import (
     ReleaseFailed,
     SideChannelServer,
     handshake,
+    probe,
     recv_frame,
     release,
     send_frame,
@@ -95,6 +96,7 @@ class Server:
         self.rejects: list[tuple[str, str]] = []
         self.releases: list[Release] = []
         self.release_rejects: list[tuple[str, str]] = []
+        self.probes: list[str] = []
         self.closed: queue.SimpleQueue = queue.SimpleQueue()
 
         def answer(hello: Hello) -> Welcome:
@@ -111,6 +113,7 @@ class Server:
             timeout=timeout, on_closed=self.closed.put if lifeline else None,
             on_release=(on_release or take) if releases else None,
             on_release_reject=lambda reason, detail: self.release_rejects.append((reason, detail)),
+            on_probe=self.probes.append,
         ).start()
         self.port = self.srv.port
 
@@ -592,6 +595,45 @@ def test_a_release_answered_with_something_else_is_a_bad_reply(listener):
     assert done_.get(timeout=WAIT)[0] == "ok"
 
 
+# -- the router's /health?probe: is a producer's side channel there, under our secret? --------
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+def test_a_probe_reads_the_challenge_and_is_counted_as_a_probe_not_a_failure(server, secret):
+    s = server(secret=secret)
+    assert probe("127.0.0.1", s.port, Codec(secret), WAIT) is None
+    assert wait_until(lambda: len(s.probes) == 1)
+    assert s.rejects == [] and s.release_rejects == [] and s.hellos == []
+
+
+def test_a_probe_says_what_is_wrong(server, listener):
+    # nobody listening (a wrong kv= port)
+    port = free_port()
+    problem = probe("127.0.0.1", port, Codec(), WAIT)
+    assert problem is not None and f"KV side channel 127.0.0.1:{port}" in problem
+    assert "refused" in problem.lower()
+    # another secret
+    s = server(secret=b"theirs")
+    problem = probe("127.0.0.1", s.port, Codec(b"ours"), WAIT)
+    assert problem is not None and "secret" in problem, problem
+    # a listener that never speaks (another service on that port)
+    held = in_thread(probe, "127.0.0.1", listener.port, Codec(), 0.2)
+    conn = listener.accept()
+    kind, problem = held.get(timeout=WAIT)
+    conn.close()
+    assert kind == "ok" and "no challenge within 0.2s" in problem
+
+
+def test_a_peer_closing_mid_frame_is_still_a_failed_handshake(server):
+    """Only a connection closed before any byte of its frame is a probe."""
+    s = server()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as sock:
+        read_challenge(sock)
+        sock.sendall(struct.pack("!I", 100) + b"xy")
+    assert wait_until(lambda: [r for r, _ in s.rejects] == ["handshake_io"])
+    assert s.probes == []
+
+
 # -- a producer worker's side channel hands the release to its transfer thread -------------------
 
 
@@ -623,5 +665,9 @@ def test_a_release_reaches_the_producer_worker_and_its_blocks_are_freed():
         assert w.counters.get("release_rejected", label="bad_mac") == 1
         assert w.counters.get("rejected", label="bad_mac") == 0
         assert w.live()["sources"] == 1 and w.drain_released() == []
+        # the router's health probe: counted as such, not as a failed handshake
+        assert probe(host, port, Codec(b"k"), WAIT) is None
+        assert wait_until(lambda: w.counters.get("side_channel_probes") == 1)
+        assert w.counters.get("rejected", label="handshake_io") == 0
     finally:
         w.close()

@@ -55,6 +55,8 @@ from kv_push.common.router.first_token import (
 )
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.router.release import ReleaseSender
+from kv_push.common.router.sse import StreamHead
+from kv_push.common.side_channel import probe as probe_side_channel
 
 logger = logging.getLogger("kv_push.router")
 
@@ -388,29 +390,45 @@ class ProxyStream(StreamingResponse):
                          media_type=d.media_type)
         self.ex, self.d = ex, d
         self._finished = False
+        self._complete = False  # the last bytes sent were the stream's final [DONE]
 
     async def _pump(self, send: Any) -> None:
         ex = self.ex
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
-        tail = self.d.first[-2:]
+        tail = b""
         if self.d.first:
             await send({"type": "http.response.body", "body": self.d.first, "more_body": True})
+            tail = self._seen(tail, self.d.first)
         try:
             async for chunk in self.d.rest or ():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                tail = (tail + chunk)[-2:]
+                tail = self._seen(tail, chunk)
         except LEG_ERRORS as exc:  # too late for an error status: say so in the stream
             ex.outcome = "decode_error"
             err = ex.router.failure(ex, "decode", ex.d.backend.url, exc)
             if "event-stream" in self.media_type:  # as vLLM reports a failure mid-stream
                 event = json.dumps({"error": {"message": err.message, "type": err.error_type,
                                               "code": err.status}})
-                end = b"" if tail == b"\n\n" else b"\n\n"  # close a cut-off event first
+                end = b"" if tail.endswith(b"\n\n") else b"\n\n"  # close a cut-off event
                 await send({"type": "http.response.body", "more_body": True,
                             "body": end + f"data: {event}\n\ndata: [DONE]\n\n".encode()})
         self._finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    #: how an SSE stream's last event ends, and how vLLM reports a failure inside one
+    _DONE, _ERROR = b"data: [DONE]\n\n", b'\n\ndata: {"error"'
+
+    def _seen(self, tail: bytes, chunk: bytes) -> bytes:
+        """Note what the client has been sent: an error event (vLLM's way to fail a stream after
+        its 200: counted as D's error, not as a served request) and the final ``[DONE]`` (a
+        client that leaves after it had the whole response). Returns the new tail (enough
+        bytes to see either across chunk boundaries)."""
+        seen = tail + chunk
+        if self._ERROR in b"\n\n" + seen and self.ex.outcome == "ok":
+            self.ex.outcome = "decode_error"
+        self._complete = seen.endswith(self._DONE)
+        return seen[-len(self._ERROR):]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         ex = self.ex
@@ -420,7 +438,9 @@ class ProxyStream(StreamingResponse):
             if not pump.done() and not self._finished:
                 pump.cancel()  # the server saw the client leave while D was still sending
             (result,) = await asyncio.gather(pump, return_exceptions=True)
-            if isinstance(result, asyncio.CancelledError | OSError):
+            if isinstance(result, asyncio.CancelledError | OSError) and self._complete:
+                pass  # the client had the whole stream, [DONE] included, and hung up first
+            elif isinstance(result, asyncio.CancelledError | OSError):
                 ex.outcome = "client_disconnect"
                 logger.info("tid=%s: client disconnected while streaming", ex.tid)
             elif isinstance(result, BaseException):
@@ -543,7 +563,9 @@ class Router:
         """D's leg answered: note whether it produced output, and (push mode) that
         this P/D pair works."""
         ex.decode_output = d.output
-        if self.config.mode == "push" and d.status_code < 400:
+        if not d.output:  # its stream opened with an error event: passed on, counted
+            ex.outcome = "decode_error"
+        elif self.config.mode == "push" and d.status_code < 400:
             self.compat.worked(ex.p.backend.url, ex.d.backend.url)
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
@@ -626,16 +648,18 @@ class Router:
                 raise self.failure(ex, "decode", url, resp)
             rest: AsyncIterator[bytes] | None = None
             if ex.stream:
+                # up to D's first output, error or end: a chat stream's role chunk comes first
+                # even when the request then fails (sse.py)
                 rest = resp.aiter_bytes()
-                first = b""
-                async for first in rest:
-                    if first:
+                head = StreamHead()
+                async for chunk in rest:
+                    if head.feed(chunk) is not None:
                         break
-                head = first.lstrip()
-                output = not head.startswith((b'data: {"error"', b"data: [DONE]"))
+                first, kind = head.data, head.kind or "done"
+                output = kind == "output"
                 if not output:  # no output at all
                     await self._explain_decode_failure(ex)
-                    if head.startswith(b"data: [DONE]"):
+                    if kind == "done":
                         raise self.failure(ex, "decode", url, EmptyStream())
             else:
                 first = await resp.aread()
@@ -859,8 +883,22 @@ class Router:
             except httpx.HTTPError as exc:
                 return repr(exc)
 
+        async def check_kv(b: Backend) -> str | None:  # (push) P's side channel as D dials it
+            spec = b.spec
+            if self.config.mode != "push" or spec is None or spec.kv_host is None:
+                return None
+            assert spec.kv_port is not None
+            return await asyncio.to_thread(probe_side_channel, spec.kv_host, spec.kv_port,
+                                           self.releaser.codec,
+                                           self.config.health_probe_timeout)
+
+        async def check_all(b: Backend) -> str | None:
+            problem = await check(b.url)
+            kv_problem = await check_kv(b) if b.role == "prefill" else None
+            return "; ".join(p for p in (problem, kv_problem) if p) or None
+
         backends = self.prefill_pool.backends + self.decode_pool.backends
-        problems = await asyncio.gather(*(check(b.url) for b in backends)) if probe else []
+        problems = await asyncio.gather(*(check_all(b) for b in backends)) if probe else []
         if probe and self.config.mode == "push":  # what each D says about each P
             decodes = self.decode_pool.backends
             refusals = await asyncio.gather(*(self._refusals(d.url) for d in decodes))

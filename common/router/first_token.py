@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kv_push.common.router.sse import sse_events
+
 #: request keys that change what a streamed token looks like, or may make P's leg pick another
 #: token than D's first, with the fallback reason they are counted under
 _STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -78,11 +80,6 @@ def ineligible(body: dict, chat: bool) -> str | None:
     if any(body.get(k) is not None for k in _STRUCTURED):
         return "structured"
     return None
-
-
-def sse_events(data: bytes) -> list[bytes]:
-    """The complete ``data: ...`` events of an SSE body, without their blank-line ends."""
-    return [e.strip() for e in data.split(b"\n\n") if e.strip()]
 
 
 def _event(obj: dict) -> bytes:
