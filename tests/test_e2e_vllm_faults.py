@@ -145,7 +145,14 @@ class TestIncompatiblePeers:
                            json=body(prompts[10 + i], stream=stream))
             assert r.status_code == 500, r.text
             errors.append(r.json()["error"])
-        figures("e2e faults", "incompatible pair: 4 requests refused", time.monotonic() - t0,
+        # a chat stream: vLLM sends its role chunk before the failure; the client still gets
+        # the reason as an HTTP error (router/sse.py), and the pair stays listed (below)
+        chat = {"model": "tiny", "max_tokens": 8, "temperature": 0.5, "stream": True,
+                "messages": [{"role": "user", "content": prompts[14]}]}
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=REQUEST_BOUND_S, json=chat)
+        assert r.status_code == 500, r.text
+        errors.append(r.json()["error"])
+        figures("e2e faults", "incompatible pair: 5 requests refused", time.monotonic() - t0,
                 errors[0]["message"][-90:])
         for err in errors:
             assert err["type"] == "incompatible_peers", err
@@ -164,6 +171,17 @@ class TestIncompatiblePeers:
         assert h.status_code == 503, h.text
         (inc,) = h.json()["incompatible"]
         assert "block_size" in inc["reason"] and inc["decode"] == d.url
+        # the probe dialled P's side channel too: P is up, and counted a probe, not a failure
+        assert all(b["healthy"] for b in h.json()["prefill"]), h.json()
+        # (worker counters reach /metrics with an engine step: one plain request to P)
+        httpx.post(f"{p.url}/v1/completions", json=body(prompts[15], max_tokens=1),
+                   timeout=REQUEST_BOUND_S).raise_for_status()
+        deadline = time.monotonic() + 10
+        while metric(p.url, "vllm:kv_push_side_channel_probes_total") < 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(p.url, "vllm:kv_push_side_channel_probes_total") >= 1
+        assert metric(p.url, "vllm:kv_push_rejected_total", reason="handshake_io") == 0
         assert_idle([d], within=IDLE_BOUND)
 
     def test_recompute_policy_serves_by_local_prefill(self, pair, prompts, env):
