@@ -170,7 +170,8 @@ class PushConfig:
                     f"{SECRET_ENV} in the environment, or 'secret_file' (a path) to a file "
                     "holding the key, on every producer, decoder and router")
             if key not in fields:
-                close = difflib.get_close_matches(key, list(fields), n=1)
+                close = difflib.get_close_matches(key, [k for k in fields if k != "secret"],
+                                                  n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ConfigError(
                     f"unknown kv_connector_extra_config key {key!r}{hint}; known: "

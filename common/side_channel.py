@@ -41,6 +41,8 @@ would be too busy to heartbeat. Heartbeats still cover hung processes and lost n
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -324,11 +326,27 @@ def release(host: str, port: int, transfer_ids: tuple[str, ...], codec: Codec,
     return reply
 
 
+def _judge_challenge(raw: bytes, codec: Codec, where: str) -> str | None:
+    """``probe``'s verdict on the first frame a side channel sent."""
+    try:
+        challenge = codec.decode(raw)
+    except MessageRejected as e:
+        if e.reason in _SECRET_REASONS:
+            return f"KV side channel {where}: {explain(e, f'the producer at {where}', 'router')}"
+        return f"KV side channel {where}: not a kv_push side channel ({e})"
+    if isinstance(challenge, Refused):  # e.g. max_side_channel_connections reached
+        return f"KV side channel {where} refused the connection: {challenge.reason}"
+    if not isinstance(challenge, Challenge):
+        return f"KV side channel {where}: opened with {type(challenge).__name__}, not Challenge"
+    return None
+
+
 def probe(host: str, port: int, codec: Codec, timeout: float) -> str | None:
-    """Router side (``/health?probe``): is a producer's side channel listening at host:port and
-    speaking this protocol with this router's secret? None when it is, else what is wrong. It
-    reads the producer's ``Challenge`` and closes without a frame, which the producer counts as
-    a probe (``side_channel_probes``), not as a failed handshake."""
+    """Is a producer's side channel listening at host:port and speaking this protocol with
+    this codec's secret? None when it is, else what is wrong. It reads the producer's
+    ``Challenge`` and closes without a frame, which the producer counts as a probe
+    (``side_channel_probes``), not as a failed handshake. (The router's ``/health?probe``
+    uses :func:`probe_async`, the same on its event loop.)"""
     where = f"{host}:{port}"
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
@@ -340,15 +358,37 @@ def probe(host: str, port: int, codec: Codec, timeout: float) -> str | None:
         return f"KV side channel {where}: not a kv_push side channel ({e})"
     except OSError as e:
         return f"KV side channel {where}: {e}"
+    return _judge_challenge(raw, codec, where)
+
+
+async def probe_async(host: str, port: int, codec: Codec, timeout: float) -> str | None:
+    """:func:`probe` without a thread: the whole exchange (name lookup included) is bounded
+    by ``timeout``."""
+    where = f"{host}:{port}"
+
+    async def read() -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+            if n > MAX_MESSAGE_BYTES:
+                raise MessageRejected("oversize", f"side-channel frame of {n} bytes")
+            return await reader.readexactly(n)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
     try:
-        challenge = codec.decode(raw)
+        raw = await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        return f"KV side channel {where}: no challenge within {timeout:g}s"
     except MessageRejected as e:
-        if e.reason in _SECRET_REASONS:
-            return f"KV side channel {where}: {explain(e, f'the producer at {where}', 'router')}"
         return f"KV side channel {where}: not a kv_push side channel ({e})"
-    if not isinstance(challenge, Challenge):
-        return f"KV side channel {where}: opened with {type(challenge).__name__}, not Challenge"
-    return None
+    except asyncio.IncompleteReadError:
+        return f"KV side channel {where}: closed before its challenge"
+    except OSError as e:  # asyncio's text hides the cause ("Connect call failed")
+        return f"KV side channel {where}: {os.strerror(e.errno) if e.errno else e}"
+    return _judge_challenge(raw, codec, where)
 
 
 class SideChannelServer:

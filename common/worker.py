@@ -118,7 +118,7 @@ class PushWorker:
                 on_release=self._accept_release,
                 on_release_reject=lambda reason, detail: self.counters.reject(
                     reason, detail, context="router release", counter="release_rejected"),
-                on_probe=lambda peer: self.counters.inc("side_channel_probes"),
+                on_probe=self._probed,
             )
             if self.side_channel.port != base + geometry.tp_rank:  # port 0: ephemeral
                 self.producer.side_channel_ports = (self.side_channel.port,)
@@ -266,6 +266,13 @@ class PushWorker:
         producer = self.producer
         marker = producer.staged.marker()
         self.thread.submit(lambda: producer.step_saved(marker))
+
+    def _probed(self, peer: str) -> None:
+        """A side-channel connection that read the challenge and closed without a frame: the
+        router's ``/health?probe`` (or a decoder that died right after connecting, or a port
+        scan). Counted, and logged with the peer at debug level."""
+        self.counters.inc("side_channel_probes")
+        logger.debug("kv_push: side-channel probe from %s (closed before a frame)", peer)
 
     def _accept_release(self, release: Release) -> ReleaseAck:
         """(side-channel thread) An authenticated ``Release`` from the router: hand it to the

@@ -277,9 +277,16 @@ def test_a_bad_early_prefill_done_says_what_it_accepts():
 
 
 @pytest.mark.parametrize("key,meant", [("heartbeat_interval", "heartbeat_interval_s"),
-                                       ("side_chanel_port", "side_channel_port")])
+                                       ("side_chanel_port", "side_channel_port"),
+                                       ("secrt_file", "secret_file")])
 def test_a_misspelt_key_gets_the_likely_one(key, meant):
     with pytest.raises(ConfigError) as e:
         PushConfig.from_sources({key: 1}, env={})
     assert f"did you mean {meant!r}?" in str(e.value)
     assert "'secret'" not in str(e.value).split("known:")[1]  # refused, never a "known" key
+
+
+def test_the_refused_secret_key_is_never_suggested():
+    with pytest.raises(ConfigError) as e:
+        PushConfig.from_sources({"secrt": 1}, env={})
+    assert "did you mean 'secret'" not in str(e.value)

@@ -368,6 +368,7 @@ async def test_a_client_leaving_after_the_final_done_was_served():
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes
         d.behavior.linger_after_done = 2.0
+        p.behavior.delay = 1.0  # P's leg still runs when the client leaves
         async with c.client.stream("POST", "/v1/completions",
                                    json=dict(COMPLETION, stream=True)) as r:
             got = b""
@@ -378,7 +379,7 @@ async def test_a_client_leaving_after_the_final_done_was_served():
         assert got == d.records[0].sent
         await eventually(lambda: all_idle(c), "router to be idle")
         assert _outcomes(await c.metrics(), "/v1/completions") == {"ok": 1}
-        assert not p.records[0].disconnected
+        assert p.records[0].completed and not p.records[0].disconnected
 
 
 async def test_an_exchange_with_decode_output_releases_nothing():
@@ -765,7 +766,8 @@ async def test_a_health_probe_checks_each_prefills_kv_side_channel():
         try:
             h = await c.client.get("/health", params={"probe": "true"})
             assert h.status_code == 200 and h.json()["prefill"][0]["healthy"] is True, h.json()
-            assert rec.probes == 1 and rec.rejects == []
+            await eventually(lambda: rec.probes == 1, "P to count the probe")
+            assert rec.rejects == []
         finally:
             rec.close()
 

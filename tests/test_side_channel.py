@@ -11,6 +11,7 @@ nothing asserts a duration.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import socket
 import struct
@@ -44,6 +45,7 @@ from kv_push.common.side_channel import (
     SideChannelServer,
     handshake,
     probe,
+    probe_async,
     recv_frame,
     release,
     send_frame,
@@ -606,7 +608,12 @@ def test_a_probe_reads_the_challenge_and_is_counted_as_a_probe_not_a_failure(ser
     assert s.rejects == [] and s.release_rejects == [] and s.hellos == []
 
 
-def test_a_probe_says_what_is_wrong(server, listener):
+def _probe_async(*args):
+    return asyncio.run(probe_async(*args))
+
+
+@pytest.mark.parametrize("probe", [probe, _probe_async], ids=["thread", "event_loop"])
+def test_a_probe_says_what_is_wrong(server, listener, probe):
     # nobody listening (a wrong kv= port)
     port = free_port()
     problem = probe("127.0.0.1", port, Codec(), WAIT)
@@ -622,6 +629,11 @@ def test_a_probe_says_what_is_wrong(server, listener):
     kind, problem = held.get(timeout=WAIT)
     conn.close()
     assert kind == "ok" and "no challenge within 0.2s" in problem
+    # a side channel at its connection cap answers Refused: its reason is shown
+    full = server()
+    full.srv._server.active = 10**6
+    problem = probe("127.0.0.1", full.port, Codec(), WAIT)
+    assert problem is not None and "refused the connection: side_channel_full" in problem
 
 
 def test_a_peer_closing_mid_frame_is_still_a_failed_handshake(server):

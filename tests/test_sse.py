@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kv_push.common.router.sse import MAX_PREAMBLE, StreamHead, classify
+from kv_push.common.router.sse import MAX_PREAMBLE_EVENTS, StreamHead, classify
 
 
 def ev(obj) -> bytes:
@@ -59,11 +59,53 @@ def test_stream_head_over_any_chunking(stream: bytes, kind: str, size: int):
 
 def test_an_unending_preamble_is_taken_as_output():
     head = StreamHead()
+    fed = 0
     while head.feed(ROLE) is None:
-        assert len(head.data) <= MAX_PREAMBLE + len(ROLE)
+        fed += 1
+        assert fed < MAX_PREAMBLE_EVENTS
     assert head.kind == "output"
 
 
-def test_a_stream_that_ends_inside_its_preamble_has_no_kind():
+def test_a_large_role_chunk_in_pieces_is_still_preamble():
+    """vLLM puts ``prompt_token_ids`` in the role chunk (``return_token_ids``): on a long prompt
+    that event is large and arrives over many reads."""
+    role = ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+               "prompt_token_ids": list(range(40000))})
     head = StreamHead()
-    assert head.feed(ROLE) is None and head.feed(ROLE[:10]) is None
+    for i in range(0, len(role), 1000):
+        assert head.feed(role[i:i + 1000]) is None
+    assert head.feed(ERROR) == "error"
+
+
+@pytest.mark.parametrize("end", [b"\r\n\r\n", b"\r\r"])
+def test_other_line_ends(end: bytes):
+    crlf = (ROLE + ERROR + DONE).replace(b"\n\n", end)
+    head = StreamHead()
+    for i in range(0, len(crlf), 3):
+        if head.feed(crlf[i:i + 3]) is not None:
+            break
+    assert head.kind == "error"
+    head = StreamHead()
+    assert head.feed(ROLE.replace(b"\n\n", end) + CONTENT.replace(b"\n\n", end)) == "output"
+
+
+def test_a_completion_token_without_text_yet_is_output():
+    """(part of a character: vLLM streams ``text: ""``): completions have no role chunk."""
+    assert classify(ev({"choices": [{"index": 0, "text": "", "finish_reason": None}]})) == "output"
+
+
+def test_a_stream_that_ends_after_its_preamble_is_done():
+    head = StreamHead()
+    assert head.feed(ROLE) is None and head.feed(ROLE) is None
+    assert head.end() == "done"
+    head = StreamHead()  # cut inside an event: unreadable, so passed on as output (as before)
+    assert head.feed(ROLE + ROLE[:10]) is None and head.end() == "output"
+
+
+def test_an_unterminated_last_event_decides():
+    head = StreamHead()
+    assert head.feed(ROLE + CONTENT.rstrip(b"\n")) is None
+    assert head.end() == "output"
+    head = StreamHead()
+    head.feed(ROLE + ERROR.rstrip(b"\n"))
+    assert head.end() == "error"

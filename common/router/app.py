@@ -56,7 +56,7 @@ from kv_push.common.router.first_token import (
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.router.release import ReleaseSender
 from kv_push.common.router.sse import StreamHead
-from kv_push.common.side_channel import probe as probe_side_channel
+from kv_push.common.side_channel import probe_async as probe_side_channel
 
 logger = logging.getLogger("kv_push.router")
 
@@ -91,7 +91,8 @@ class Metrics:
             registry=r)
         self.outstanding = Gauge(p + "outstanding_requests", "In-flight legs per backend",
                                  ["role", "backend"], registry=r)
-        self.ttfb = Histogram(p + "decode_ttfb_seconds", "Router receipt to first byte from D",
+        self.ttfb = Histogram(p + "decode_ttfb_seconds", "Router receipt to D's first output (streams: its first "
+                              "event past a chat role chunk; else its whole answer)",
                               lat, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_latency_seconds", "Router receipt to end of response",
                              lat, buckets=_LATENCY_BUCKETS, registry=r)
@@ -655,7 +656,7 @@ class Router:
                 async for chunk in rest:
                     if head.feed(chunk) is not None:
                         break
-                first, kind = head.data, head.kind or "done"
+                first, kind = head.data, head.end()
                 output = kind == "output"
                 if not output:  # no output at all
                     await self._explain_decode_failure(ex)
@@ -888,9 +889,8 @@ class Router:
             if self.config.mode != "push" or spec is None or spec.kv_host is None:
                 return None
             assert spec.kv_port is not None
-            return await asyncio.to_thread(probe_side_channel, spec.kv_host, spec.kv_port,
-                                           self.releaser.codec,
-                                           self.config.health_probe_timeout)
+            return await probe_side_channel(spec.kv_host, spec.kv_port, self.releaser.codec,
+                                            self.config.health_probe_timeout)
 
         async def check_all(b: Backend) -> str | None:
             problem = await check(b.url)

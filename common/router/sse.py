@@ -18,10 +18,16 @@ Anything it cannot read as JSON counts as output (it is passed on as it is, as b
 from __future__ import annotations
 
 import json
+import re
 
-#: preamble bytes read at most before the head is taken as output (a guard, not a limit vLLM
-#: comes near: its role chunk is ~200 bytes)
-MAX_PREAMBLE = 64 * 1024
+#: how much preamble is read at most before the head is taken as output (a guard against a
+#: stream of role-only events; vLLM sends one role chunk per choice, each a few hundred bytes,
+#: more with ``return_token_ids`` on a long prompt)
+MAX_PREAMBLE_EVENTS = 1024
+MAX_PREAMBLE_BYTES = 64 << 20
+
+#: an event's end: a blank line, with any of SSE's three line ends
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
 def sse_events(data: bytes) -> list[bytes]:
@@ -51,7 +57,9 @@ def classify(event: bytes) -> str:
     for choice in choices:
         if not isinstance(choice, dict):
             return "output"
-        if choice.get("finish_reason") is not None or choice.get("text") \
+        # a completion's token event, even one with no text yet (part of a character), is
+        # output: only chat streams open with a role chunk
+        if "text" in choice or choice.get("finish_reason") is not None \
                 or choice.get("logprobs") is not None:
             return "output"
         delta = choice.get("delta")
@@ -63,23 +71,41 @@ def classify(event: bytes) -> str:
 
 class StreamHead:
     """Feed a stream's bytes as they come until :attr:`kind` is set (``"output"``, ``"error"``
-    or ``"done"``); :attr:`data` holds every byte fed, to be passed on unchanged."""
+    or ``"done"``); :attr:`data` holds every byte fed, to be passed on unchanged. When the
+    stream ends first, :meth:`end` judges what is left."""
 
     def __init__(self) -> None:
-        self.data = b""
+        self._buf = bytearray()
         self.kind: str | None = None
         self._scanned = 0
+        self._events = 0
+
+    @property
+    def data(self) -> bytes:
+        return bytes(self._buf)
 
     def feed(self, chunk: bytes) -> str | None:
-        self.data += chunk
+        self._buf += chunk
         while self.kind is None:
-            end = self.data.find(b"\n\n", self._scanned)
-            if end < 0:
-                if len(self.data) > MAX_PREAMBLE:
+            m = _EVENT_END.search(self._buf, self._scanned)
+            if m is None:
+                if len(self._buf) - self._scanned > MAX_PREAMBLE_BYTES:
                     self.kind = "output"
                 break
-            kind = classify(self.data[self._scanned:end])
-            self._scanned = end + 2
+            kind = classify(bytes(self._buf[self._scanned:m.start()]))
+            self._scanned = m.end()
+            self._events += 1
             if kind != "preamble":
                 self.kind = kind
+            elif self._events >= MAX_PREAMBLE_EVENTS:
+                self.kind = "output"
+        return self.kind
+
+    def end(self) -> str:
+        """The stream ended before :attr:`kind` was set: its last, unterminated event decides
+        (output stays output); nothing but preamble is ``"done"``."""
+        if self.kind is None:
+            rest = bytes(self._buf[self._scanned:]).strip()
+            kind = classify(rest) if rest else "done"
+            self.kind = "done" if kind == "preamble" else kind
         return self.kind
