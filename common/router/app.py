@@ -789,7 +789,8 @@ class Router:
             ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
             stream = await self._await(ex, ex.d_task)
             self.decode_answered(ex, stream)
-            self._first_token_sent(ex, "decode", ex.first_token_off or "")
+            if stream.output:
+                self._first_token_sent(ex, "decode", ex.first_token_off or "")
             return stream
 
         d_body = dict(ex.body, kv_transfer_params=d_params)
@@ -813,8 +814,9 @@ class Router:
             if ex.d_task in done:
                 stream = ex.d_task.result()  # a D failure raises here; close() cancels P
                 self.decode_answered(ex, stream)
-                self._first_token_sent(ex, "decode", first_reason or ex.first_token_off or
-                                       "decode_first")
+                if stream.output:  # (an error event is not a first token)
+                    self._first_token_sent(ex, "decode", first_reason or ex.first_token_off or
+                                           "decode_first")
                 if ex.p_task.done():
                     self._note_late_prefill(ex.p_task)
                 else:
