@@ -91,8 +91,9 @@ class Metrics:
             registry=r)
         self.outstanding = Gauge(p + "outstanding_requests", "In-flight legs per backend",
                                  ["role", "backend"], registry=r)
-        self.ttfb = Histogram(p + "decode_ttfb_seconds", "Router receipt to D's first output (streams: its first "
-                              "event past a chat role chunk; else its whole answer)",
+        self.ttfb = Histogram(p + "decode_ttfb_seconds",
+                              "Router receipt to D's first output (streams: its first event "
+                              "past a chat role chunk; else its whole answer)",
                               lat, buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_latency_seconds", "Router receipt to end of response",
                              lat, buckets=_LATENCY_BUCKETS, registry=r)
