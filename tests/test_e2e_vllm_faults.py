@@ -184,6 +184,32 @@ class TestIncompatiblePeers:
         assert metric(p.url, "vllm:kv_push_rejected_total", reason="handshake_io") == 0
         assert_idle([d], within=IDLE_BOUND)
 
+    def test_a_wrong_kv_port_on_the_router_is_named(self, pair, prompts, env, figures):
+        """A router given a ``kv=`` where nothing listens: D's handshake fails (no refusal to
+        read), the router finds P's side channel unreachable itself and says so to the client,
+        and its health probe names it; D is left idle."""
+        d = pair["d_fail"]
+        bad = router(python=env["python"], port=free_port(), prefill=[(pair["p"].url, free_port())],
+                     decode=[d.url], log_dir=env["logs"], name="router-wrong-kv")
+        try:
+            bad.wait_healthy(60)
+            t0 = time.monotonic()
+            r = httpx.post(f"{bad.url}/v1/completions", timeout=REQUEST_BOUND_S,
+                           json=body(prompts[16]))
+            figures("e2e faults", "wrong kv= port: request answered", time.monotonic() - t0,
+                    r.json().get("error", {}).get("type", ""))
+            assert r.status_code == 502, r.text
+            err = r.json()["error"]
+            assert err["type"] == "kv_side_channel_unreachable", err
+            assert "Connection refused" in err["message"], err
+            h = httpx.get(f"{bad.url}/health", params={"probe": "true"}, timeout=30)
+            assert h.status_code == 503, h.text
+            (pe,) = h.json()["prefill"]
+            assert not pe["healthy"] and "Connection refused" in pe["error"], pe
+        finally:
+            bad.stop()
+        assert_idle([d], within=IDLE_BOUND)
+
     def test_recompute_policy_serves_by_local_prefill(self, pair, prompts, env):
         d = pair["d_rec"]
         local0 = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute")

@@ -282,7 +282,7 @@ async def _ended_without_output(c: Cluster, how: str) -> str:
     if how == "decode_error":
         d.behavior.fail_status = 500
         r = await c.client.post("/v1/completions", json=COMPLETION)
-        assert r.status_code == 500
+        assert r.status_code in (500, 502)  # 502: P's side channel unreachable (explained)
     elif how == "decode_error_event":  # HTTP 200, then an error event before any output
         d.behavior.stream_error = True
         r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=True))
@@ -441,6 +441,30 @@ async def test_a_prefill_side_channel_down_or_hung_is_counted_not_fatal():
         d.behavior.fail_status = None
         status, _, _ = await post(c, "/v1/completions", COMPLETION)  # the router serves on
         assert status == 200
+
+
+@pytest.mark.parametrize("endpoint,body", [("/v1/completions", COMPLETION),
+                                           ("/v1/chat/completions", dict(CHAT, stream=True))])
+async def test_a_decode_failure_with_ps_side_channel_unreachable_says_so(endpoint, body):
+    """D fails a request and names no refusal (vLLM: "Internal server error"): the router dials
+    P's side channel at the ``kv=`` it gave D; when nothing answers there (a wrong port, P's
+    worker down) the client is told that, without the address."""
+    async with cluster(side_channels=False) as c:
+        (d,) = c.decodes
+        if body.get("stream"):
+            d.behavior.stream_error = True
+        else:
+            d.behavior.fail_status = 500
+        r = await c.client.post(endpoint, json=body)
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["type"] == "kv_side_channel_unreachable", err
+        assert "Connection refused" in err["message"] and "kv=" in err["message"]
+        assert "127.0.0.1" not in err["message"] and str(KV_BASE_PORT) not in err["message"]
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "kv_unreachable"), ("leg", "decode")))] == 1
+        await eventually(lambda: all_idle(c), "router to be idle")
 
 
 async def test_a_release_reaches_every_rank_of_a_tensor_parallel_prefill():

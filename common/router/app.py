@@ -690,7 +690,9 @@ class Router:
         """(push mode) D failed the request: if it is because D refused this P at the KV
         handshake, raise that as the client's error. vLLM records the refusal in /metrics
         in the same engine step that failed the request, so a short retry covers the race
-        between D's response and its metrics."""
+        between D's response and its metrics. With no refusal, the router dials P's side
+        channel itself (``kv=``, the address D was sent to): if that fails, that is the
+        client's error."""
         spec = ex.p.backend.spec
         if self.config.mode != "push" or spec is None or spec.kv is None:
             return
@@ -704,6 +706,21 @@ class Router:
                                     "incompatible_peers")
             if attempt < 2:
                 await asyncio.sleep(0.2)
+        # no refusal: can P's side channel be reached at all, at the kv= D was sent to? (a
+        # wrong kv= port, P down: D's own answer is only "Internal server error")
+        assert spec.kv_host is not None and spec.kv_port is not None
+        problem = await probe_side_channel(spec.kv_host, spec.kv_port, self.releaser.codec,
+                                           self.config.health_probe_timeout)
+        if problem is not None:
+            self.metrics.upstream_errors.labels(leg="decode", kind="kv_unreachable").inc()
+            logger.warning("tid=%s decode leg failed; prefill %s: %s (its kv= on this router?)",
+                           ex.tid, spec.url, problem)
+            cause = problem.partition(": ")[2] or problem  # without "KV side channel H:P"
+            raise UpstreamError(
+                "decode", "kv_unreachable", 502,
+                "the decode server could not load the prompt's KV: the prefill server's KV side "
+                "channel, at the address this router gives decoders for it (kv=), cannot be "
+                f"reached: {without_addresses(cause)}", "kv_side_channel_unreachable")
 
     def _learn_peer(self, url: str, params: Any) -> None:
         """Remember (or refresh) an upstream-push P's engine id and sizes from its response."""
