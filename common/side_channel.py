@@ -327,7 +327,7 @@ def release(host: str, port: int, transfer_ids: tuple[str, ...], codec: Codec,
 
 
 def _judge_challenge(raw: bytes, codec: Codec, where: str) -> str | None:
-    """``probe``'s verdict on the first frame a side channel sent."""
+    """:func:`probe`'s verdict on the first frame a side channel sent."""
     try:
         challenge = codec.decode(raw)
     except MessageRejected as e:
@@ -341,29 +341,13 @@ def _judge_challenge(raw: bytes, codec: Codec, where: str) -> str | None:
     return None
 
 
-def probe(host: str, port: int, codec: Codec, timeout: float) -> str | None:
-    """Is a producer's side channel listening at host:port and speaking this protocol with
-    this codec's secret? None when it is, else what is wrong. It reads the producer's
-    ``Challenge`` and closes without a frame, which the producer counts as a probe
-    (``side_channel_probes``), not as a failed handshake. (The router's ``/health?probe``
-    uses :func:`probe_async`, the same on its event loop.)"""
-    where = f"{host}:{port}"
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            raw = recv_raw(sock)
-    except socket.timeout:
-        return f"KV side channel {where}: no challenge within {timeout:g}s"
-    except MessageRejected as e:  # an oversize frame
-        return f"KV side channel {where}: not a kv_push side channel ({e})"
-    except OSError as e:
-        return f"KV side channel {where}: {e}"
-    return _judge_challenge(raw, codec, where)
-
-
-async def probe_async(host: str, port: int, codec: Codec, timeout: float) -> str | None:
-    """:func:`probe` without a thread: the whole exchange (name lookup included) is bounded
-    by ``timeout``."""
+async def probe(host: str, port: int, codec: Codec, timeout: float) -> str | None:
+    """Router side (``/health?probe``, and a decode failure with no refusal to explain it): is
+    a producer's side channel listening at host:port and speaking this protocol with this
+    codec's secret? None when it is, else what is wrong. It reads the producer's ``Challenge``
+    and closes without a frame, which the producer counts as a probe (``side_channel_probes``),
+    not as a failed handshake. The whole exchange, name lookup included, is bounded by
+    ``timeout``, on the caller's event loop (no thread)."""
     where = f"{host}:{port}"
 
     async def read() -> bytes:

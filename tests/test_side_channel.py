@@ -44,8 +44,7 @@ from kv_push.common.side_channel import (
     ReleaseFailed,
     SideChannelServer,
     handshake,
-    probe,
-    probe_async,
+    probe as probe_async,
     recv_frame,
     release,
     send_frame,
@@ -608,12 +607,11 @@ def test_a_probe_reads_the_challenge_and_is_counted_as_a_probe_not_a_failure(ser
     assert s.rejects == [] and s.release_rejects == [] and s.hellos == []
 
 
-def _probe_async(*args):
+def probe(*args):
     return asyncio.run(probe_async(*args))
 
 
-@pytest.mark.parametrize("probe", [probe, _probe_async], ids=["thread", "event_loop"])
-def test_a_probe_says_what_is_wrong(server, listener, probe):
+def test_a_probe_says_what_is_wrong(server, listener):
     # nobody listening (a wrong kv= port)
     port = free_port()
     problem = probe("127.0.0.1", port, Codec(), WAIT)

@@ -818,20 +818,23 @@ def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
     t.close()
 
 
+def _quiet_thread(role, **cfg) -> tuple[TransferThread, FakeClock]:
+    """An unstarted thread with ``role`` on a fake clock at 100 s (idle 1 ms, quiet 50 ms)."""
+    clock = FakeClock(100.0)
+    config = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, **cfg)
+    t = TransferThread(FakeTransport(Wire(), "A"), engine_id="A", tp_rank=0, geometry=GEOM,
+                       config=config, clock=clock)
+    t.add_role(role)
+    return t, clock
+
+
 def test_holding_never_backs_off_even_with_no_grace():
     """``quiet_after_s = 0`` (allowed: back off as soon as nothing is held) still never lets a
     thread whose role holds something sleep ``quiet_poll_s``: a decoder registering with a
     producer that already holds the prefill would otherwise wait up to that long."""
-    wire = Wire()
-    ta = FakeTransport(wire, "A")
-    clock = FakeClock(100.0)
-    cfg = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, quiet_after_s=0.0,
-                     heartbeat_interval_s=60.0)
-
     role = SwitchedRole(held=True)
-    b = FakeTransport(wire, "B")
-    t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
-    t.add_role(role)
+    t, clock = _quiet_thread(role, quiet_after_s=0.0, heartbeat_interval_s=60.0)
+    b = FakeTransport(t.transport.wire, "B")
     t.add_peer(b.metadata(), engine_id="B", tp_rank=0, geometry=GEOM, digest=DIGEST)
     b.add_peer(b"meta:A")
     t.step()  # the first heartbeat: the next is due at 115
@@ -846,15 +849,8 @@ def test_the_running_loop_counts_busy_time_as_activity():
     """The loop itself (not only ``_sleep_s``): while a role is busy (WRITEs in flight) the
     thread spins; once it is not, it keeps ``idle_poll_s`` for ``quiet_after_s`` counted from
     the end of the busy spell, not from the last message before it."""
-    wire = Wire()
-    ta = FakeTransport(wire, "A")
-    clock = FakeClock(100.0)
-    cfg = PushConfig(idle_poll_s=0.001, quiet_poll_s=0.05, quiet_after_s=1.0,
-                     heartbeat_interval_s=600.0)
-
     role = SwitchedRole(spinning=True)
-    t = TransferThread(ta, engine_id="A", tp_rank=0, geometry=GEOM, config=cfg, clock=clock)
-    t.add_role(role)
+    t, clock = _quiet_thread(role, quiet_after_s=1.0, heartbeat_interval_s=600.0)
     t.start()
     try:
         deadline = time.monotonic() + 10

@@ -56,7 +56,7 @@ from kv_push.common.router.first_token import (
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.router.release import ReleaseSender
 from kv_push.common.router.sse import StreamHead
-from kv_push.common.side_channel import probe_async as probe_side_channel
+from kv_push.common.side_channel import probe as probe_side_channel
 
 logger = logging.getLogger("kv_push.router")
 

@@ -32,7 +32,7 @@ _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 def sse_events(data: bytes) -> list[bytes]:
     """The complete ``data: ...`` events of an SSE body, without their blank-line ends."""
-    return [e.strip() for e in data.split(b"\n\n") if e.strip()]
+    return [e.strip() for e in _EVENT_END.split(data) if e.strip()]
 
 
 def classify(event: bytes) -> str:
