@@ -106,7 +106,8 @@ class PushConfig:
     #: streaming"): a prefill that completes in a step is packed layer by layer as vLLM's
     #: ``save_kv_layer`` reports each layer written, and each layer group is WRITTEN as soon as
     #: it is packed and the decoder's registration is there. "auto": wherever the producer
-    #: stages (needs a producer staging pool); "off": pack after the prefill only
+    #: stages (needs a producer staging pool) and vLLM runs one batch at a time (as for
+    #: ``early_prefill_done``: ``connector._layerwise``); "off": pack after the prefill only
     layerwise: str = "auto"
 
     @property

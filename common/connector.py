@@ -35,19 +35,47 @@ from .metrics import Counters
 logger = logging.getLogger(__name__)
 
 
+def _step_safe(vllm_config: Any) -> str:
+    """Why a prefill may not be handed on while its step runs ("" when it may): a request
+    whose prefill a step completes must end in that step's output, with nothing scheduled in
+    between (``connector_scheduler``'s conditions). With async scheduling or pipeline
+    parallelism vLLM plans the next step first, and may preempt the request there and give its
+    blocks -- not held by any ``request_finished`` yet -- to a step that writes into them."""
+    for check in (compat.one_batch_at_a_time, compat.full_attention_only):
+        ok, why = check(vllm_config)
+        if not ok:
+            return why
+    return ""
+
+
 def _early_prefill_done(config: PushConfig, vllm_config: Any) -> bool:
     """Whether the producer announces prefills when their step ran (``early_prefill_done``:
     ``auto`` where ``connector_scheduler``'s conditions hold), said once at start-up."""
     if config.early_prefill_done == "off":
         logger.info("kv_push: early prefill announcement off (early_prefill_done=off)")
         return False
-    for check in (compat.one_batch_at_a_time, compat.full_attention_only):
-        ok, why = check(vllm_config)
-        if not ok:
-            logger.info("kv_push: early prefill announcement off: %s (prefills are announced "
-                        "at request_finished, one engine step later)", why)
-            return False
+    if why := _step_safe(vllm_config):
+        logger.info("kv_push: early prefill announcement off: %s (prefills are announced "
+                    "at request_finished, one engine step later)", why)
+        return False
     logger.info("kv_push: early prefill announcement on")
+    return True
+
+
+def _layerwise(config: PushConfig, vllm_config: Any) -> bool:
+    """Whether the producer streams prefills layer by layer while their step runs
+    (``layerwise``: ``auto`` under the same conditions as the early announcement: a stream
+    reads the request's blocks while the step runs and WRITEs them at once, so a preemption
+    in a step planned before this one's output would let another request's KV into what is
+    being sent). Where the producer has no staging pool it never streams anyway
+    (``PushWorker.streams``)."""
+    if config.layerwise == "off":
+        return False
+    if why := _step_safe(vllm_config):
+        logger.info("kv_push: layer-wise streaming off: %s (staged prefills are packed after "
+                    "their request_finished; start P with --no-async-scheduling to stream)",
+                    why)
+        return False
     return True
 
 
@@ -89,7 +117,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                                             upstream_reply=reply,
                                             early_prefill_done=is_producer and _early_prefill_done(
                                                 pc, vllm_config),
-                                            layerwise=is_producer and pc.layerwise != "off")
+                                            layerwise=is_producer and _layerwise(pc, vllm_config))
         else:
             from .connector_worker import PushConnectorWorker  # noqa: PLC0415
 

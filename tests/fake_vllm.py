@@ -39,10 +39,12 @@ class Behavior:
     n_chunks: int = 3  # streamed content chunks (followed by data: [DONE])
     chunk_interval: float = 0.0  # seconds between streamed chunks
     transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
+    no_kv_params: bool = False  # the prefill role returns no kv_transfer_params
     stream_error: bool = False  # a stream fails before any output, as vLLM's does (HTTP 200,
     # then -- chat: after its role chunk -- an error event and [DONE])
     error_after_output: bool = False  # a stream fails after its content chunks (error event)
     linger_after_done: float = 0.0  # seconds the body stays open after its [DONE]
+    break_after_done: bool = False  # the connection drops after the [DONE] (no body end)
     metrics_text: str = ""  # what GET /metrics answers
     break_after: int | None = None  # a stream breaks (connection dropped) after this many chunks
     #: the generated tokens' texts (default "<name>-tok<i> "); with them, streams look like
@@ -194,7 +196,8 @@ class FakeVLLM:
 
     def _kv_params(self, rec: Record, chat: bool) -> dict | None:
         """What vLLM's P returns (pull/push schedulers' ``request_finished``)."""
-        if self.role != "prefill" or not (rec.kv or {}).get("do_remote_decode"):
+        if self.role != "prefill" or not (rec.kv or {}).get("do_remote_decode") \
+                or self.behavior.no_kv_params:
             return None
         prefix = "chatcmpl" if chat else "cmpl"
         return {"do_remote_prefill": True, "do_remote_decode": False,
@@ -260,6 +263,8 @@ class FakeVLLM:
             yield b"data: [DONE]\n\n"
             if b.linger_after_done:  # the body's end comes later (a slow connection close)
                 await asyncio.sleep(b.linger_after_done)
+            if b.break_after_done:
+                raise ConnectionAbortedError("fake server died after its last event")
         finally:
             rec.end = time.monotonic()
             if not rec.completed:

@@ -240,6 +240,30 @@ def test_auto_turns_it_on_only_for_one_batch_at_a_time_and_full_attention(settin
     assert _early_prefill_done(PushConfig(early_prefill_done=setting), vllm_config(**kw)) is on
 
 
+@pytest.mark.parametrize("setting, kw, on", [
+    ("auto", {}, True),
+    ("off", {}, False),
+    ("auto", {"async_scheduling": True}, False),
+    ("auto", {"pp": 2}, False),
+    ("auto", {"batches": 2}, False),
+    ("auto", {"window": 4096}, False),
+])
+def test_layerwise_streaming_needs_one_batch_at_a_time_too(setting, kw, on):
+    """A stream reads a request's blocks while its step runs and WRITEs them at once: with a
+    step planned before that output (async scheduling, PP) vLLM may preempt the request and
+    give its blocks to a step that writes into them. The scheduler then plans no streams."""
+    pytest.importorskip("vllm")
+    from kv_push.common.connector import _layerwise
+
+    cfg = vllm_config(**kw)
+    assert _layerwise(PushConfig(layerwise=setting), cfg) is on
+    s = PushScheduler(is_producer=True, is_decoder=False, block_size=BS,
+                      layerwise=_layerwise(PushConfig(layerwise=setting), cfg))
+    look(s, req("whole", dict(P_PARAMS)))
+    plan = s.take_plan(output(new_req("whole")))
+    assert [p.req_id for p in plan.streaming] == (["whole"] if on else [])
+
+
 @pytest.mark.parametrize("early", [True, False])
 def test_timing_stamps_the_output_of_the_step_that_completes_a_p_leg(monkeypatch, early):
     """``p_step_output`` (KV_PUSH_TIMING, bench_ttft_breakdown): once, when vLLM processed the

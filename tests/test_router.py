@@ -595,6 +595,26 @@ async def test_pull_is_serial_and_forwards_prefill_params(stream: bool):
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_a_clients_kv_transfer_params_reach_no_leg(mode: str):
+    """kv_transfer_params are the router's: a client's never reach P or D, not even where P
+    returns none and D gets the client's body (pull), where they would make D's connector
+    dial a host the client chose."""
+    async with cluster(mode=mode) as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.no_kv_params = True
+        evil = {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 1,
+                "remote_engine_id": "evil", "remote_block_ids": [[1]]}
+        status, _, _ = await post(c, "/v1/completions", dict(COMPLETION, kv_transfer_params=evil))
+        assert status == 200
+        (prec,), (drec,) = p.records, d.records
+        for kv in (prec.kv, drec.kv):
+            assert kv is None or "10.6.6.6" not in json.dumps(kv)
+        if mode == "pull":
+            assert drec.kv is None  # P returned none: D recomputes
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
 async def test_upstream_push_learns_engine_id_then_overlaps():
     async with cluster(mode="upstream-push") as c:
         (p,), (d,) = c.prefills, c.decodes
@@ -853,6 +873,20 @@ async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event():
         assert m[("kv_push_router_requests_total", (("endpoint", "/v1/completions"),
                   ("mode", "push"), ("outcome", "decode_error")))] == 1
         await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_decode_dropping_the_connection_after_its_final_done():
+    """D sent its whole stream, [DONE] included, then the connection broke before the body's
+    end (D stopped or reset it): the client has the whole answer, once -- no error event and
+    no second [DONE] after it -- and it is counted as served."""
+    async with cluster() as c:
+        d = c.decodes[0]
+        d.behavior.break_after_done = True
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200 and data == d.records[0].sent
+        assert data.count(b"[DONE]") == 1 and b'"error"' not in data
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert _outcomes(await c.metrics(), "/v1/completions") == {"ok": 1}
 
 
 # -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------

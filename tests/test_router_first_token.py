@@ -226,3 +226,34 @@ def test_the_decode_filter_splits_events_and_tokens_anywhere():
         assert text_of(events(got), False) == ", world" and got.endswith(b"data: [DONE]\n\n")
     with pytest.raises(FirstTokenMismatch):
         DecodeFilter("Help", chat=False).feed(raw)
+
+
+@pytest.mark.parametrize("d_events", [
+    # D's first token is an end of sequence (no text) where P's was "Hello"
+    [{"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}],
+    # D's whole answer is a prefix of P's token
+    [{"choices": [{"index": 0, "text": "Hel", "finish_reason": None}]}],
+    [{"choices": [{"index": 0, "text": "Hel", "finish_reason": "length"}]}],
+], ids=["eos", "prefix_then_done", "prefix_then_finish"])
+def test_a_decode_stream_that_ends_before_the_token_is_a_mismatch(d_events):
+    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in d_events)
+    raw += b"data: [DONE]\n\n"
+    with pytest.raises(FirstTokenMismatch):
+        DecodeFilter("Hello", chat=False).feed(raw)
+    # a failure of D before its first token is passed on as D's error, not a mismatch
+    err = b'data: {"error": {"message": "boom", "code": 500}}\n\ndata: [DONE]\n\n'
+    assert DecodeFilter("Hello", chat=False).feed(err) == err
+
+
+async def test_decode_ending_with_an_end_of_sequence_where_p_did_not_is_a_mismatch():
+    async with cluster(first_token="auto") as c:
+        same_tokens(c)
+        c.decodes[0].behavior.eos_at = 0  # D's first token ends the sequence, P's does not
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "Hello"
+        assert evs[-2]["error"]["type"] == "first_token_mismatch" and evs[-1] == "[DONE]"
+        assert [e for e in evs if e == "[DONE]"] == ["[DONE]"]
+        assert await metric(c, "mismatch") == 1
+        await eventually(lambda: all_idle(c), "router to be idle")

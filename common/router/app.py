@@ -407,6 +407,13 @@ class ProxyStream(StreamingResponse):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 tail = self._seen(tail, chunk)
         except LEG_ERRORS as exc:  # too late for an error status: say so in the stream
+            if self._complete:  # D's final [DONE] was sent: the answer is whole, only the
+                # connection's end was lost (D stopped or reset it after the last event)
+                logger.info("router: decode server %s: connection lost after the stream's "
+                            "end (request %s): %s", ex.d.backend.url, ex.tid, exc)
+                self._finished = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             ex.outcome = "decode_error"
             err = ex.router.failure(ex, "decode", ex.d.backend.url, exc)
             if "event-stream" in self.media_type:  # as vLLM reports a failure mid-stream
@@ -869,6 +876,11 @@ class Router:
         except ValueError as exc:
             self.metrics.requests.labels(**labels, outcome="bad_request").inc()
             return _error_response(400, f"invalid JSON body: {exc}", "invalid_request_error")
+        if body.pop("kv_transfer_params", None) is not None:
+            # the router's to set: a client's would reach a leg that gets none of ours (pull,
+            # or D when P returned none) and make its connector act on client-chosen
+            # addresses; the legs get only the router's, signed where a secret is set
+            logger.debug("router: a client's kv_transfer_params dropped")
         ex = Exchange(self, endpoint, body, request)
         handed_off = False
         try:

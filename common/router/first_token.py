@@ -175,8 +175,11 @@ class DecodeFilter:
         except ValueError:
             obj = None
         if not isinstance(obj, dict) or not obj.get("choices"):
-            if payload == b"[DONE]" or (isinstance(obj, dict) and "error" in obj):
-                self.done = True  # D ended (or failed) before its first token: pass it on
+            if isinstance(obj, dict) and "error" in obj:
+                self.done = True  # D failed before its first token: pass its error on
+            elif payload == b"[DONE]":  # D's whole answer is a prefix of P's token: not it
+                raise FirstTokenMismatch(f"the decode server's stream ended before "
+                                         f"{self.remaining!r} of the prefill server's token")
             return raw + b"\n\n"
         choice = obj["choices"][0]
         delta = choice.get("delta") or {}
@@ -198,6 +201,11 @@ class DecodeFilter:
                 choice["text"] = text
         if not self.remaining:
             self.done = True
+        elif choice.get("finish_reason") is not None:  # e.g. D's first token was an end of
+            # sequence (no text) where P's was not
+            raise FirstTokenMismatch(f"the decode server's choice finished "
+                                     f"({choice['finish_reason']}) before {self.remaining!r} "
+                                     f"of the prefill server's token")
         meaningful = text or choice.get("finish_reason") is not None or obj.get("usage") or (
             self.chat and any(v not in (None, "") for v in (choice.get("delta") or {}).values()))
         return _event(obj) if meaningful else b""
