@@ -268,7 +268,13 @@ class Decoder:
                 self._connect(remote, rank, remote.ports[rank])
             return
         for rank in sorted(needed):
-            peer = self.ctx.peer(remote.rank_peers[rank])
+            agent = remote.rank_peers[rank]
+            if agent in self._giving_up:
+                # its lifeline is gone: a live producer has dropped us (or will) and would
+                # never answer; nothing advertised yet, so fail now instead of at the time-out
+                self._fail(want, f"producer rank {rank} is being given up on")
+                return
+            peer = self.ctx.peer(agent)
             if peer is not None and peer.silent and rank in writers:
                 # nothing advertised yet: fail now rather than register blocks with a producer
                 # that may be frozen
@@ -285,10 +291,13 @@ class Decoder:
                            engine_id=self.ctx.engine_id, tp_rank=g.tp_rank,
                            block_ids=want.block_ids, first_token=want.first_token,
                            num_tokens=want.num_tokens, geometry_digest=self.digest, slot=slot)
+            # told before the send: a notification whose send failed may still have gone out
+            # (the agent raised after queueing it), so that rank is fenced (cancelled and
+            # answered) like the others before the blocks may be freed
+            want.told[rank] = _Told(peer, writes=rank in writers)
             if not self.ctx.send(peer, reg):
                 self._fail(want, f"could not notify producer rank {rank}")  # fences those told
                 return
-            want.told[rank] = _Told(peer, writes=rank in writers)
             self.ctx.counters.inc("registrations_sent")
             if timing.ENABLED:
                 timing.stamp("d_register_sent", want.transfer_id, key=want.key, rank=rank)
@@ -323,11 +332,15 @@ class Decoder:
         def on_closed(welcome: Welcome) -> None:  # on the lifeline's thread
             self.ctx.submit(lambda: self._on_lifeline_closed(token, welcome.agent_name))
 
+        def on_unproven(welcome: Welcome, why: str) -> None:  # on the lifeline's thread
+            self.ctx.submit(lambda: self._on_lifeline_broken(token, welcome.agent_name, why))
+
         def job() -> None:
             severs: list[Callable[[], None]] = []
             try:
                 welcome = self._handshake(host, port, hello, codec, timeout,
-                                          on_closed=on_closed, on_open=severs.append)
+                                          on_closed=on_closed, on_open=severs.append,
+                                          on_unproven=on_unproven)
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
                 refused = e.reason if isinstance(e, HandshakeRefused) else None
@@ -346,6 +359,26 @@ class Decoder:
             self._closed_early.add(token)  # before its welcome was handled: refused there
         elif self._lifeline.get(agent) == token:
             self.ctx.peer_lost(agent, "producer closed its side channel")
+
+    def _on_lifeline_broken(self, token: int, agent: str, why: str) -> None:
+        """The lifeline broke without proof that the producer is gone: its host stopped
+        answering (``side_channel.UNPROVEN_ERRNOS``). It may be alive with WRITEs in flight over
+        another path, so it is not dropped now but given up on, as after an unanswered cancel
+        (``_give_up``): dropped -- and the blocks it was told about freed -- only
+        ``fence_timeout_s`` later. A live producer drops us once its own end of the lifeline
+        breaks, and posts nothing more; an answer that comes meanwhile still ends a fence."""
+        if token in self._handshaking:
+            self._closed_early.add(token)
+            return
+        if self._lifeline.get(agent) != token:
+            return
+        del self._lifeline[agent]
+        self._severs.pop(agent, None)
+        self.ctx.counters.inc("lifelines_broken")
+        logger.error("kv_push: the side channel to producer %s broke (%s): no proof it is gone;"
+                     " dropping it in %.0fs, once WRITEs it may have posted can no longer land",
+                     agent, why, self.ctx.config.fence_timeout_s)
+        self._giving_up.setdefault(agent, self.ctx.clock() + self.ctx.config.fence_timeout_s)
 
     def _on_welcome(self, remote: _Remote, rank: int, welcome: Welcome, token: int,
                     sever: Callable[[], None] | None) -> None:
@@ -605,7 +638,8 @@ class Decoder:
         for agent, when in list(self._giving_up.items()):
             if now >= when:
                 del self._giving_up[agent]
-                self.ctx.peer_lost(agent, "did not answer a cancel in time")
+                self.ctx.peer_lost(agent, "given up on (no answer to a cancel in time, or its "
+                                   "side channel broke)")
         for want in list(self.by_reg.values()):
             if want.state in ("connecting", "registered"):
                 if now > want.deadline:

@@ -45,6 +45,9 @@ COUNTERS = {
     "cancels": "cancels sent (decoder) or honoured (producer)",
     "cancels_resent": "unanswered cancels sent again (decoder)",
     "fence_timeouts": "producers given up on after fence_timeout_s without answering a cancel",
+    "lifelines_broken": "producers given up on because their side channel broke without proof "
+                        "that they are gone (TCP keepalive timed out, no route); dropped "
+                        "fence_timeout_s later",
     "expired": "rendezvous entries or transfers dropped after their time-out",
     "stale": "events for a superseded attempt, dropped",
     "rejected": "messages rejected (malformed, unauthenticated, replayed, unknown peer, bad "

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -135,18 +136,34 @@ def _keepalive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
-def hold_lifeline(sock: socket.socket, on_closed: Callable[[], None]) -> None:
-    """Block until the peer closes ``sock`` (or it breaks), then call ``on_closed``."""
+#: how a lifeline breaks without proof that the peer is gone: its host stopped answering (TCP
+#: keepalive or retransmission timed out, no route). The peer may be alive -- a partition of the
+#: side channel's network alone -- with WRITEs in flight over another path. A closed connection
+#: (end of stream, reset) is proof: the peer's kernel closed it, its process is gone or let go.
+UNPROVEN_ERRNOS = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                             errno.EHOSTDOWN, errno.ENETDOWN})
+
+
+def hold_lifeline(sock: socket.socket, on_closed: Callable[[], None],
+                  on_unproven: Callable[[str], None] | None = None) -> None:
+    """Block until the peer closes ``sock`` (or it breaks), then call ``on_closed``; a break
+    without proof of the peer's end (``UNPROVEN_ERRNOS``) calls ``on_unproven(why)`` instead,
+    where given."""
     sock.settimeout(None)
     _keepalive(sock)
+    unproven = None
     try:
         while sock.recv(64):
             pass  # nothing is sent on a lifeline; ignore anything that is
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno in UNPROVEN_ERRNOS:
+            unproven = os.strerror(e.errno)
     finally:
         sock.close()
-        on_closed()
+        if unproven is not None and on_unproven is not None:
+            on_unproven(unproven)
+        else:
+            on_closed()
 
 
 #: what a rejected handshake frame means, said to the operator (and to the peer in ``Refused``)
@@ -188,13 +205,15 @@ def sever(sock: socket.socket) -> None:
 
 def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
               on_closed: Callable[[Welcome], None] | None = None,
-              on_open: Callable[[Callable[[], None]], None] | None = None) -> Welcome:
+              on_open: Callable[[Callable[[], None]], None] | None = None,
+              on_unproven: Callable[[Welcome, str], None] | None = None) -> Welcome:
     """Decoder side: introduce ourselves to the producer worker at host:port.
 
     ``hello``'s ``nonce`` and ``reply_to`` are filled in here. With ``on_closed`` the connection
     stays open as a lifeline, watched by a daemon thread that calls ``on_closed(welcome)`` when
-    the producer goes away; ``on_open`` (if given) first gets a callable that severs that
-    lifeline from our side.
+    the producer goes away (or ``on_unproven(welcome, why)``, where given, when the connection
+    broke without proof of that: ``hold_lifeline``); ``on_open`` (if given) first gets a
+    callable that severs that lifeline from our side.
     """
     sock = None
     where = f"{host}:{port}"
@@ -249,7 +268,8 @@ def handshake(host: str, port: int, hello: Hello, codec: Codec, timeout: float,
     else:
         if on_open is not None:
             on_open(lambda: sever(sock))
-        threading.Thread(target=hold_lifeline, args=(sock, lambda: on_closed(reply)),
+        unproven = None if on_unproven is None else (lambda why: on_unproven(reply, why))
+        threading.Thread(target=hold_lifeline, args=(sock, lambda: on_closed(reply), unproven),
                          name=f"kv-push-lifeline-{host}:{port}", daemon=True).start()
     return reply
 

@@ -67,13 +67,14 @@ class Bench:
         self.handshakes: list[tuple[str, int]] = []
         self.hellos: list = []
         self.lifelines: dict[str, object] = {}  # producer agent -> "its side channel closed"
+        self.broken: dict[str, object] = {}  # producer agent -> "it broke without proof"
         self.severed: list[str] = []  # producer agents whose lifeline the decoder closed
         self.close_at_once = False
         self.d.step()
 
     # the side channel, in-process
     def handshake(self, host, port, hello, codec, timeout, on_closed=None,
-                  on_open=None) -> Welcome:
+                  on_open=None, on_unproven=None) -> Welcome:
         assert codec is self.d.thread.codec and timeout == self.d.thread.config.handshake_timeout_s
         self.handshakes.append((host, port))
         self.hellos.append(hello)
@@ -89,6 +90,8 @@ class Bench:
         welcome = Welcome(**{**fields, **self.welcome_changes.get(rank, {})})
         if on_closed is not None:
             self.lifelines[end.name] = lambda: on_closed(welcome)
+        if on_unproven is not None:
+            self.broken[end.name] = lambda why="Connection timed out": on_unproven(welcome, why)
         if on_open is not None:
             on_open(lambda: self.severed.append(end.name))
         if self.close_at_once:  # the lifeline closes right after the reply went out
@@ -375,6 +378,42 @@ def test_a_fence_that_outlives_its_bound_closes_the_lifeline_and_drops_the_produ
     assert b.wants() == 0
 
 
+def test_a_lifeline_broken_without_proof_is_not_taken_for_death():
+    """The side channel to a producer broke with a time-out (TCP keepalive: its host stopped
+    answering): no proof it is gone -- it may be alive with WRITEs in flight over another path.
+    The blocks it was told about stay fenced for fence_timeout_s, new requests do not register
+    with it, and then it is dropped. A closed connection (end of stream) is proof at once."""
+    b = Bench(cancel_retry_s=1.0, fence_timeout_s=20.0)
+    b.expect("req-1")
+    b.broken["P0"]()
+    b.d.step(2)
+    assert b.d.thread.peer("P0") is not None and b.outcomes() == []
+    assert b.d.count("lifelines_broken") == 1
+    b.expect("req-2", "t2", blocks=(4, 5))  # a new request for the same producer: fails now
+    b.d.step()
+    assert [o.key for o in b.outcomes()] == ["req-2"]
+    assert b.got() == [b.registration()]  # nothing sent for req-2
+    b.clock.advance(19)
+    b.d.step(2)
+    assert b.outcomes() == [] and b.d.thread.peer("P0") is not None  # req-1 still fenced
+    b.clock.advance(2)
+    b.d.step(3)
+    assert b.d.thread.peer("P0") is None
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is dead")]
+    b.lifelines["P0"]()  # the lifeline's own end, later: nothing more
+    b.d.step(2)
+    assert b.outcomes() == [] and b.wants() == 0
+
+
+def test_a_lifeline_closed_is_proof_at_once():
+    b = Bench(fence_timeout_s=20.0)
+    b.expect("req-1")
+    b.lifelines["P0"]()
+    b.d.step(3)
+    assert b.d.thread.peer("P0") is None
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is dead")]
+
+
 def test_an_answer_after_the_bound_still_ends_the_fence():
     b = Bench(cancel_retry_s=1.0, fence_timeout_s=20.0)
     b.expect()
@@ -416,18 +455,43 @@ def test_a_transfer_failed_waits_for_the_chunks_it_announces():
 
 def test_a_partly_sent_registration_is_fenced_not_forgotten():
     # issue 9 item 7: rank 0 was told, rank 1 could not be; the decoder treated it as "nothing
-    # advertised" and freed blocks producer rank 0 may write
-    b = Bench(p_tp=2, manual=True)
+    # advertised" and freed blocks producer rank 0 may write. A send that failed may still
+    # have gone out (the agent raised after posting it), so rank 1 is fenced too: the blocks
+    # are freed once both answered the cancel, or once the decoder gave up on rank 1
+    b = Bench(p_tp=2, manual=True, cancel_retry_s=1.0, fence_timeout_s=20.0)
     b.expect()
     b.executor.run()  # rank 0's handshake
     b.d.step()
     b.executor.run()  # rank 1's
-    del b.wire.queues["P1"]  # its notifications can no longer be posted
+    queue = b.wire.queues.pop("P1")  # its notifications can no longer be posted
     b.d.step()
     assert b.got(0) == [b.registration(), b.cancel_msg(
         reason="could not notify producer rank 1")]
     assert b.outcomes() == []
     b.ack(0)
+    assert b.outcomes() == []  # rank 1 has not answered
+    b.wire.queues["P1"] = queue  # it can be reached again: the re-sent cancel gets there
+    b.clock.advance(1.5)
+    b.d.step()
+    assert b.got(1) == [b.cancel_msg(reason="could not notify producer rank 1")]
+    b.ack(1)
+    assert b.outcomes() == [Outcome("req-1", "failed", "could not notify producer rank 1")]
+
+
+def test_a_registration_that_could_not_be_sent_to_an_unreachable_rank_is_given_up_on():
+    b = Bench(p_tp=2, manual=True, cancel_retry_s=1.0, fence_timeout_s=20.0)
+    b.expect()
+    b.executor.run()
+    b.d.step()
+    b.executor.run()
+    del b.wire.queues["P1"]
+    b.d.step()
+    b.ack(0)
+    b.clock.advance(21)
+    b.d.step()  # gives up on rank 1: closes its lifeline
+    assert b.severed == ["P1"] and b.outcomes() == []
+    b.clock.advance(21)
+    b.d.step(3)  # dropped: no WRITE of it can land any more
     assert b.outcomes() == [Outcome("req-1", "failed", "could not notify producer rank 1")]
 
 
@@ -657,7 +721,7 @@ class Pair:
         self.d.thread.add_role(self.decoder)
 
     def handshake(self, host, port, hello, codec, timeout, on_closed=None,
-                  on_open=None) -> Welcome:
+                  on_open=None, on_unproven=None) -> Welcome:
         try:
             return self.producer.accept_hello(hello)
         except MessageRejected as e:

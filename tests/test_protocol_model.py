@@ -285,7 +285,7 @@ class Model:
                     self.dreqs.append(DReq(f"{j}_d-{tid}-{i}", tid, digest))
 
     def _handshake_for(self, dw: Worker):
-        def handshake(host, port, hello, codec, timeout, on_closed=None, on_open=None):
+        def handshake(host, port, hello, codec, timeout, on_closed=None, on_open=None, on_unproven=None):
             pw = self.P[port - PORT]
             if pw.dead or pw.frozen:
                 raise HandshakeError(f"{host}:{port}: timed out")

@@ -12,6 +12,8 @@ nothing asserts a duration.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import queue
 import socket
 import struct
@@ -681,3 +683,48 @@ def test_a_release_reaches_the_producer_worker_and_its_blocks_are_freed():
         assert w.counters.get("rejected", label="handshake_io") == 0
     finally:
         w.close()
+
+
+class _BreakingSocket:
+    """A lifeline socket whose ``recv`` ends as given: b"" (the peer closed it) or an error."""
+
+    def __init__(self, end):
+        self.end, self.closed = end, False
+
+    def settimeout(self, _):
+        pass
+
+    def setsockopt(self, *_):
+        pass
+
+    def recv(self, _):
+        if isinstance(self.end, OSError):
+            raise self.end
+        return self.end
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("end, proven", [
+    (b"", True),  # end of stream: the peer's kernel closed it
+    (ConnectionResetError(errno.ECONNRESET, "reset"), True),
+    (TimeoutError(errno.ETIMEDOUT, "Connection timed out"), False),  # keepalive gave up
+    (OSError(errno.EHOSTUNREACH, "No route to host"), False),
+])
+def test_a_lifeline_tells_a_proven_end_from_a_broken_path(end, proven):
+    from kv_push.common.side_channel import hold_lifeline
+
+    calls = []
+    sock = _BreakingSocket(end)
+    hold_lifeline(sock, lambda: calls.append("closed"), lambda why: calls.append(("broken", why)))
+    assert sock.closed
+    if proven:
+        assert calls == ["closed"]
+    else:
+        assert calls == [("broken", os.strerror(end.errno))]
+    # without an on_unproven, every end is reported as closed (the producer's side: it stops
+    # writing to a decoder it cannot reach, the safe direction)
+    calls.clear()
+    hold_lifeline(_BreakingSocket(end), lambda: calls.append("closed"))
+    assert calls == ["closed"]

@@ -144,7 +144,7 @@ class World:
             self.decoders.append(dec)
             self.d_ops.append(ops)
 
-    def handshake(self, host, port, hello, codec, timeout, on_closed=None, on_open=None):
+    def handshake(self, host, port, hello, codec, timeout, on_closed=None, on_open=None, on_unproven=None):
         try:
             return self.producers[port - PORT].accept_hello(hello)
         except MessageRejected as e:
