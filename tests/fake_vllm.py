@@ -24,11 +24,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kv_push.common.testing.ports import free_ports
+
+
+_STREAM = pydantic.TypeAdapter(bool | None)
 
 
 @dataclass
@@ -125,24 +129,29 @@ class FakeVLLM:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         body = json.loads(await request.body())
+        try:  # ``stream`` as vLLM's pydantic request models read it (lax: "false", 0, ...)
+            stream = bool(_STREAM.validate_python(body.get("stream")))
+        except pydantic.ValidationError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "BadRequestError",
+                                           "code": 400}}, status_code=400)
         rec = Record(request.url.path, body, dict(request.headers), time.monotonic())
         self.records.append(rec)
         b = self.behavior
         watcher = asyncio.ensure_future(self._watch(request, rec))
-        if b.delay and not body.get("stream"):
+        if b.delay and not stream:
             await asyncio.wait({watcher}, timeout=b.delay)
             if rec.disconnected:
                 rec.end = time.monotonic()
                 return Response(status_code=499)
         if b.fail_status is not None:
-            if body.get("stream") and b.delay:
+            if stream and b.delay:
                 await asyncio.wait({watcher}, timeout=b.delay)
             return self._finish(rec, watcher, JSONResponse(
                 b.error_body or {"error": {"message": f"{self.name} failed",
                                            "type": "InternalServerError", "code": b.fail_status}},
                 status_code=b.fail_status))
         rid = rec.request_id or "none"
-        if body.get("stream"):
+        if stream:
             return StreamingResponse(self._stream(rec, watcher, rid, chat),
                                      media_type="text/event-stream")
         text = "".join(self._token(i) for i in range(b.n_chunks))

@@ -889,6 +889,31 @@ async def test_decode_dropping_the_connection_after_its_final_done():
         assert _outcomes(await c.metrics(), "/v1/completions") == {"ok": 1}
 
 
+@pytest.mark.parametrize("value, streams", [("false", False), ("no", False), (0, False),
+                                            (None, False), ("true", True), ("Yes", True),
+                                            (1, True)])
+@pytest.mark.parametrize("endpoint, base", ENDPOINTS)
+async def test_stream_is_read_as_vllm_reads_it(endpoint, base, value, streams):
+    """vLLM's request models read ``stream`` leniently ("false", 0, "yes"): the router must
+    read it the same way, or it takes D's JSON answer for an empty stream (a 502)."""
+    async with cluster() as c:
+        d = c.decodes[0]
+        status, data, headers = await post(c, endpoint, dict(base, stream=value))
+        assert status == 200, data
+        assert data == d.records[0].sent if streams else json.loads(data) == d.records[0].response_json
+        assert headers["content-type"].startswith("text/event-stream" if streams
+                                                  else "application/json")
+        await eventually(lambda: all_idle(c), "router to be idle")
+        m = await c.metrics()
+        assert not any(k[0] == "kv_push_router_upstream_errors_total" and v for k, v in m.items())
+
+
+async def test_a_stream_value_vllm_rejects_is_the_backends_400():
+    async with cluster() as c:
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream="maybe"))
+        assert status == 400 and b"valid boolean" in data  # the backend's error, passed on
+
+
 # -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------
 
 

@@ -120,6 +120,20 @@ def _error_response(status: int, message: str, kind: str, tid: str | None = None
                         status_code=status, headers={"X-Request-Id": tid} if tid else None)
 
 
+#: what vLLM's request models (pydantic, lax mode) read as a boolean ``stream`` from a string
+_TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def wants_stream(body: dict) -> bool:
+    """Whether the backends will stream this request, read as vLLM reads ``stream`` (a JSON
+    boolean, 0/1, or a string such as "false" or "yes"). A value vLLM rejects counts as not
+    streaming: the backend's 400 then reaches the client as an ordinary error."""
+    v = body.get("stream")
+    if isinstance(v, str):
+        return v.lower() in _TRUE_STRINGS
+    return v is True or (type(v) in (int, float) and v == 1)
+
+
 class UpstreamError(Exception):
     """A failed leg, carrying what the client should get (``error_type``: the body's ``type``,
     ``<leg>_error`` unless given). ``message`` names no backend (those go to the log only);
@@ -333,7 +347,7 @@ class Exchange:
 
     def __init__(self, router: Router, endpoint: str, body: dict, request: Request) -> None:
         self.router, self.endpoint, self.body = router, endpoint, body
-        self.stream = bool(body.get("stream"))
+        self.stream = wants_stream(body)
         self.tid = uuid.uuid4().hex
         self.t0 = time.perf_counter()
         self.p = router.prefill_pool.acquire()
@@ -562,7 +576,7 @@ class Router:
 
     def first_token_off(self, endpoint: str, body: dict) -> str | None:
         """Why a request's first token is not taken from P (``first_token.py``), or None."""
-        if self.config.mode != "push" or not body.get("stream"):
+        if self.config.mode != "push" or not wants_stream(body):
             return "not_streaming" if self.config.mode == "push" else self.config.mode
         if self.config.first_token_from_prefill == "off":
             return "off"
