@@ -102,10 +102,12 @@ class Cluster:
 @contextlib.asynccontextmanager
 async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: bool = False,
                   prefill_opts: str = "", p_tp: int = 1, side_channels: bool = True,
-                  release_timeout: float = 5.0, first_token: str = "off", timeout: float = 10.0
-                  ) -> AsyncIterator[Cluster]:
+                  release_timeout: float = 5.0, first_token: str = "off", timeout: float = 10.0,
+                  dead_decodes: int = 0, dead_prefills: int = 0) -> AsyncIterator[Cluster]:
     """Fake P/D servers plus a router in front of them, all on loopback ports; with
-    ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder."""
+    ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder.
+    ``dead_decodes`` / ``dead_prefills``: that many more backends first in the router's lists,
+    at ports nothing listens on."""
     prefills = [FakeVLLM(f"p{i}", "prefill", kv_port=KV_BASE_PORT + i) for i in range(n_p)]
     decodes = [FakeVLLM(f"d{i}") for i in range(n_d)]
     p_socks = [bind() for _ in prefills]
@@ -113,9 +115,13 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
     d_urls = [url for _, url in d_socks]
     if dead_decode:
         d_urls = [f"http://127.0.0.1:{free_port()}"]
+    d_urls = [f"http://127.0.0.1:{free_port()}" for _ in range(dead_decodes)] + d_urls
+    dead_p = [parse_prefill_spec(f"http://127.0.0.1:{free_port()},kv=127.0.0.1:{free_port()}")
+              for _ in range(dead_prefills)]
     config = RouterConfig(
-        prefill=tuple(parse_prefill_spec(f"{url},kv=127.0.0.1:{KV_BASE_PORT + i}{prefill_opts}")
-                      for i, (_, url) in enumerate(p_socks)),
+        prefill=tuple(dead_p) + tuple(
+            parse_prefill_spec(f"{url},kv=127.0.0.1:{KV_BASE_PORT + i}{prefill_opts}")
+            for i, (_, url) in enumerate(p_socks)),
         decode=tuple(d_urls), mode=mode, timeout=timeout, release_timeout=release_timeout,
         first_token_from_prefill=first_token)
     app = build_app(config)
@@ -1106,6 +1112,85 @@ def test_pool_picks_least_outstanding_with_round_robin_ties():
     assert again.backend.url == "http://d1:1" and gauges[1].value == 1
     with pytest.raises(ValueError, match="at least one backend"):
         BackendPool([])
+
+
+def test_pool_leaves_out_a_backend_that_cannot_be_connected_to():
+    now = [100.0]
+    pool = BackendPool([Backend("decode", f"http://d{i}:1", _Gauge()) for i in range(3)],
+                       clock=lambda: now[0])
+    d0, d1, d2 = pool.backends
+    assert d0.unreachable(now[0]) == 1.0  # down for 1 s, doubling per failure in a row
+    picks = {pool.acquire().backend.url for _ in range(6)}
+    assert picks == {"http://d1:1", "http://d2:1"}  # d0 has the fewest outstanding, but is down
+    now[0] += 1.0
+    assert d0.up(now[0]) and pool.acquire().backend is d0  # back: the fewest outstanding
+    assert d0.unreachable(now[0]) == 2.0 and d0.unreachable(now[0]) == 4.0
+    for _ in range(10):
+        d0.unreachable(now[0])
+    assert d0.down_until - now[0] == 30.0  # capped
+    assert d0.reachable() and d0.connect_failures == 0 and d0.up(now[0])
+    assert not d0.reachable()  # was not failing
+    # preferences: up and not avoided, then up, then the one due back first; never excluded
+    d1.unreachable(now[0])
+    assert pool.acquire(avoid={"http://d0:1", "http://d2:1"}).backend in (d0, d2)
+    assert pool.acquire(exclude={"http://d0:1", "http://d2:1"}).backend is d1  # down, but left
+    assert pool.acquire(exclude={"http://d0:1", "http://d1:1", "http://d2:1"}) is None
+    for b in (d0, d2):
+        b.unreachable(now[0])
+    assert pool.acquire().backend is d1  # all down: d1 is due back first (1 s, the others 1-2 s)
+
+
+async def test_a_dead_decode_server_is_left_out_and_its_legs_go_to_another():
+    """One of two decode servers is dead (nothing listens): it used to win nearly every pick
+    (it fails at once, so it always has the fewest outstanding legs). Now a leg that cannot
+    connect to it goes to the other D (nothing had been sent), and it is left out of selection
+    for a while."""
+    async with cluster(dead_decodes=1) as c:
+        (d,) = c.decodes
+        results = await asyncio.gather(*(post(c, "/v1/completions", dict(COMPLETION, stream=s))
+                                          for s in (False, True) * 10))
+        assert [status for status, _, _ in results] == [200] * 20
+        assert len(d.records) == 20
+        m = await c.metrics()
+        assert m[("kv_push_router_leg_retries_total", (("leg", "decode"),))] >= 1
+        assert m[("kv_push_router_backend_ejections_total", (("role", "decode"),))] >= 1
+        h = (await c.client.get("/health")).json()
+        dead = h["decode"][0]
+        assert h["status"] == "degraded" and dead["down_for_s"] > 0, h
+        assert "down_for_s" not in h["decode"][1]
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_a_dead_prefill_server_is_left_out_after_its_first_failure():
+    """A P leg that cannot connect fails its request (D was already told that P's side
+    channel), but the next requests go to the other P."""
+    async with cluster(dead_prefills=1) as c:
+        first = [await post(c, "/v1/completions", COMPLETION) for _ in range(2)]
+        assert sorted(s for s, _, _ in first) == [200, 502]  # round robin: each P once
+        later = await asyncio.gather(*(post(c, "/v1/completions", COMPLETION)
+                                       for _ in range(8)))
+        assert [s for s, _, _ in later] == [200] * 8
+        assert len(c.prefills[0].records) == 9
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_requests_are_steered_away_from_a_pair_known_to_be_incompatible(monkeypatch):
+    async with cluster(n_d=2) as c:
+        bad, good = c.decodes
+        bad.behavior.fail_status = 500
+        bad.behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
+        statuses = [(await post(c, "/v1/completions", COMPLETION))[0] for _ in range(2)]
+        assert sorted(statuses) == [200, 500]  # round robin: the bad pair once
+        later = await asyncio.gather(*(post(c, "/v1/completions", COMPLETION)
+                                       for _ in range(8)))
+        assert [s for s, _, _ in later] == [200] * 8 and len(bad.records) == 1
+        # a while later the pair is tried again (a side may have been reconfigured)
+        bad.behavior.fail_status = None
+        clock = c.router.compat.clock
+        monkeypatch.setattr(c.router.compat, "clock", lambda: clock() + 31)
+        more = [await post(c, "/v1/completions", COMPLETION) for _ in range(4)]
+        assert [s for s, _, _ in more] == [200] * 4 and len(bad.records) > 1
+        assert c.router.compat.incompatible == {}  # it worked: history
 
 
 def test_module_entry_point_is_the_command_line(tmp_path):

@@ -108,6 +108,12 @@ class Metrics:
             p + "first_token_seconds", "Streaming requests: router receipt to the first token "
             "sent to the client, by its source (prefill, decode)", ["endpoint", "mode", "source"],
             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ejections = Counter(
+            p + "backend_ejections", "Backends left out of selection for a while because a "
+            "connection to them could not be made", ["role"], registry=r)
+        self.leg_retries = Counter(
+            p + "leg_retries", "D legs sent again to another decode server after the first "
+            "could not be connected to (nothing had been sent)", ["leg"], registry=r)
         self.release_errors = Counter(
             p + "release_errors", "Releases that did not reach a P rank, by kind (connect, "
             "timeout, refused, bad_reply, internal)", ["kind"], registry=r)
@@ -235,6 +241,8 @@ def redacted(url: str) -> str:
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
+#: what a leg's transport raises when it cannot connect at all (nothing was sent)
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 #: what a leg's transport raises (aiohttp's timeouts are ``asyncio.TimeoutError``\ s too: the
 #: built-in ``TimeoutError`` from Python 3.11, a class of its own on 3.10)
 LEG_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -350,8 +358,12 @@ class Exchange:
         self.stream = wants_stream(body)
         self.tid = uuid.uuid4().hex
         self.t0 = time.perf_counter()
-        self.p = router.prefill_pool.acquire()
-        self.d = router.decode_pool.acquire()
+        p = router.prefill_pool.acquire()
+        assert p is not None
+        # a decode server known not to work with that P is passed over while another is up
+        d = router.decode_pool.acquire(avoid=router.compat.avoided(p.backend.url))
+        assert d is not None
+        self.p, self.d = p, d
         self.p_task: asyncio.Task | None = None
         self.d_task: asyncio.Task | None = None
         self.disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -623,11 +635,22 @@ class Router:
 
     async def _post_leg(self, backend: Backend, endpoint: str, body: dict, headers: dict
                         ) -> LegResponse:
-        """POST one leg to ``backend`` (its response's headers read; raises LEG_ERRORS)."""
+        """POST one leg to ``backend`` (its response's headers read; raises LEG_ERRORS). A
+        connection that cannot be made takes the backend out of selection for a while
+        (``pool``); one that is made puts it back."""
         assert self.legs is not None
-        return LegResponse(await self.legs.post(backend.url + endpoint, json=body,
-                                                headers=headers, allow_redirects=False,
-                                                proxy=backend.proxy))
+        try:
+            resp = await self.legs.post(backend.url + endpoint, json=body, headers=headers,
+                                        allow_redirects=False, proxy=backend.proxy)
+        except CONNECT_ERRORS:
+            wait = backend.unreachable(time.monotonic())
+            self.metrics.ejections.labels(role=backend.role).inc()
+            logger.warning("%s %s cannot be connected to (%d in a row): left out of selection "
+                           "for %.0fs", backend.role, backend.url, backend.connect_failures, wait)
+            raise
+        if backend.reachable():
+            logger.info("%s %s can be connected to again", backend.role, backend.url)
+        return LegResponse(resp)
 
     async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
         """POST the P leg; return its JSON. Releases P's slot when it ends, however it ends."""
@@ -657,12 +680,24 @@ class Router:
             ex.p.release()
 
     async def _open_decode(self, ex: Exchange, body: dict, headers: dict) -> DecodeStream:
-        """Send the D leg and wait for its first bytes (its whole body when not streaming)."""
-        url = ex.d.backend.url
-        try:
-            resp = await self._post_leg(ex.d.backend, ex.endpoint, body, headers)
-        except LEG_ERRORS as exc:
-            raise self.failure(ex, "decode", url, exc) from None
+        """Send the D leg and wait for its first bytes (its whole body when not streaming). A
+        decode server that cannot be connected to (nothing was sent) is replaced by another
+        one that is up, if any: the leg does not name its D (P waits for whichever D
+        registers the transfer)."""
+        tried: set[str] = set()
+        while True:
+            url = ex.d.backend.url
+            try:
+                resp = await self._post_leg(ex.d.backend, ex.endpoint, body, headers)
+                break
+            except LEG_ERRORS as exc:
+                tried.add(url)
+                if not isinstance(exc, CONNECT_ERRORS) or not self._next_decode(ex, tried):
+                    raise self.failure(ex, "decode", url, exc) from None
+                self.metrics.upstream_errors.labels(leg="decode", kind="connect").inc()
+                self.metrics.leg_retries.labels(leg="decode").inc()
+                logger.warning("tid=%s decode leg: cannot connect to %s (%r); sent to %s "
+                               "instead", ex.tid, url, exc, ex.d.backend.url)
         try:
             if resp.status_code >= 400:
                 await resp.aread()
@@ -696,6 +731,19 @@ class Router:
             if isinstance(exc, LEG_ERRORS):
                 raise self.failure(ex, "decode", url, exc) from None
             raise
+
+    def _next_decode(self, ex: Exchange, tried: set[str]) -> bool:
+        """Move ``ex``'s D leg to another decode server that is up and not in ``tried``
+        (preferring one compatible with its P); False when there is none."""
+        now = time.monotonic()
+        down = {b.url for b in self.decode_pool.backends if not b.up(now)}
+        lease = self.decode_pool.acquire(avoid=self.compat.avoided(ex.p.backend.url),
+                                         exclude=tried | down)
+        if lease is None:
+            return False
+        ex.d.release()
+        ex.d = lease
+        return True
 
     async def _refusals(self, d_url: str) -> dict[str, tuple[str, float]]:
         """D's KV handshake refusals by producer side channel (``compat.parse_refusals``);
@@ -956,11 +1004,16 @@ class Router:
         pairs = len(self.prefill_pool.backends) * len(self.decode_pool.backends)
         # 503 when nothing can be served: a backend is down, or every pair is incompatible
         unusable = any(problems) or len(incompatible) == pairs
-        info: dict[str, Any] = {"status": "degraded" if any(problems) or incompatible else "ok",
-                                "mode": self.config.mode, "prefill": [], "decode": [],
-                                "incompatible": incompatible}
+        now = time.monotonic()
+        down = any(not b.up(now) for b in backends)  # could not be connected to (pool.py)
+        info: dict[str, Any] = {
+            "status": "degraded" if any(problems) or incompatible or down else "ok",
+            "mode": self.config.mode, "prefill": [], "decode": [], "incompatible": incompatible}
         for i, b in enumerate(backends):
             entry: dict[str, Any] = {"url": b.url, "outstanding": b.outstanding}
+            if not b.up(now):
+                entry.update(down_for_s=round(b.down_until - now, 1),
+                             connect_failures=b.connect_failures)
             if b.spec is not None:
                 entry["kv"] = b.spec.kv
             if probe:

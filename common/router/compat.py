@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger("kv_push.router")
@@ -89,11 +91,18 @@ class Incompatibility:
                 "reason": self.reason}
 
 
+#: how long the router steers requests away from a pair it found incompatible; then the pair
+#: may be picked again (a side may have been reconfigured: its next failure marks it again)
+AVOID_S = 30.0
+
+
 class PairCompat:
     """What the router knows about (P, D) pairs; single-threaded (the router's event loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.incompatible: dict[tuple[str, str], Incompatibility] = {}
+        self._found_at: dict[tuple[str, str], float] = {}  # when each was last found incompatible
         self._seen: dict[tuple[str, str], float] = {}  # refusals counted when last judged
         # refusals counted at the pair's last success (None: it worked before any look)
         self._cleared: dict[tuple[str, str], float | None] = {}
@@ -116,11 +125,20 @@ class PairCompat:
             logger.error("%s (decode server's handshake refusals: %d; see GET /health)",
                          found.message(), count)
         self.incompatible[pair] = found
+        self._found_at[pair] = self.clock()
         return found
+
+    def avoided(self, prefill: str) -> set[str]:
+        """The decode URLs to steer ``prefill``'s requests away from: found incompatible with
+        it within the last ``AVOID_S`` (where another decode server is up)."""
+        now = self.clock()
+        return {d for (p, d) in self.incompatible
+                if p == prefill and now - self._found_at.get((p, d), -AVOID_S) < AVOID_S}
 
     def worked(self, prefill: str, decode: str) -> None:
         """A request through the pair succeeded: earlier refusals are history."""
         pair = (prefill, decode)
+        self._found_at.pop(pair, None)
         if self.incompatible.pop(pair, None) is not None:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
         self._cleared[pair] = self._seen.get(pair)

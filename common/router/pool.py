@@ -1,21 +1,34 @@
-"""The router's backends: one upstream server each, its in-flight legs, and least-outstanding
-selection over a pool of them.
+"""The router's backends: one upstream server each, its in-flight legs, whether it can be
+reached, and least-outstanding selection over a pool of them.
 
 A :class:`Lease` is one leg's slot, taken when the pool picks a backend and given back with
 :meth:`Lease.release` (idempotent), so a backend's ``outstanding`` count is exactly the legs that
 were handed out and not yet released. Single-threaded: the router calls these from its event loop.
+
+A backend the router could not connect to (refused, no route, connect time-out: nothing was
+sent) is *down*: left out of selection for ``EJECT_BASE_S``, doubling with each further failure
+up to ``EJECT_MAX_S``; the first leg that connects to it again ends that. Without it, a dead
+backend -- which fails at once and so always has the fewest outstanding legs -- would win
+nearly every pick. When every backend is down, the one due back first is picked (the leg is
+its probe).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kv_push.common.router.config import PrefillSpec
 
+#: how long a backend that refused a connection is left out of selection; doubles per failure
+EJECT_BASE_S = 1.0
+EJECT_MAX_S = 30.0
+
 
 class Backend:
-    """One configured upstream server and its count of in-flight legs.
+    """One configured upstream server, its count of in-flight legs, and whether it is down.
 
     ``gauge`` is anything with ``set(value)`` (the router passes a labelled Prometheus gauge).
     """
@@ -24,11 +37,28 @@ class Backend:
         self.role, self.url, self.spec, self.outstanding = role, url, spec, 0
         self._gauge = gauge
         self.proxy: str | None = None  # the legs' proxy from the environment (Router.start)
+        self.connect_failures = 0  # in a row
+        self.down_until = 0.0  # (monotonic) left out of selection until then
         gauge.set(0)
 
     def add(self, delta: int) -> None:
         self.outstanding += delta
         self._gauge.set(self.outstanding)
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def unreachable(self, now: float) -> float:
+        """A connection to it failed: down for the next back-off (returned, in seconds)."""
+        self.connect_failures += 1
+        wait = min(EJECT_BASE_S * 2 ** (self.connect_failures - 1), EJECT_MAX_S)
+        self.down_until = now + wait
+        return wait
+
+    def reachable(self) -> bool:
+        """A leg connected to it: up again. True when it had been failing."""
+        failing, self.connect_failures, self.down_until = self.connect_failures > 0, 0, 0.0
+        return failing
 
 
 class Lease:
@@ -45,16 +75,29 @@ class Lease:
 
 
 class BackendPool:
-    """Least-outstanding selection; ties go round robin (the scan starts one further each time)."""
+    """Least-outstanding selection among the backends that are up; ties go round robin (the
+    scan starts one further each time)."""
 
-    def __init__(self, backends: list[Backend]) -> None:
+    def __init__(self, backends: list[Backend], clock: Callable[[], float] = time.monotonic
+                 ) -> None:
         if not backends:
             raise ValueError("a backend pool needs at least one backend")
-        self.backends, self._next = backends, 0
+        self.backends, self._next, self.clock = backends, 0, clock
 
-    def acquire(self) -> Lease:
-        """Pick the backend with the fewest outstanding legs and take a slot on it."""
-        n = len(self.backends)
+    def acquire(self, avoid: Collection[str] = (), exclude: Collection[str] = ()
+                ) -> Lease | None:
+        """Take a slot on the backend with the fewest outstanding legs among those up and not
+        in ``avoid`` (URLs: e.g. decoders known to be incompatible with the chosen prefill);
+        failing that, among those up; failing that, the one due back first. Never one in
+        ``exclude`` (URLs): None when nothing else is left."""
+        n, now = len(self.backends), self.clock()
         start, self._next = self._next, (self._next + 1) % n
-        order = [self.backends[(start + k) % n] for k in range(n)]
-        return Lease(min(order, key=lambda b: b.outstanding))  # min keeps the first of equals
+        order = [b for b in (self.backends[(start + k) % n] for k in range(n))
+                 if b.url not in exclude]
+        if not order:
+            return None
+        usable = ([b for b in order if b.up(now) and b.url not in avoid]
+                  or [b for b in order if b.up(now)])
+        if not usable:
+            return Lease(min(order, key=lambda b: b.down_until))
+        return Lease(min(usable, key=lambda b: b.outstanding))  # min keeps the first of equals
