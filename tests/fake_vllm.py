@@ -197,7 +197,11 @@ class FakeVLLM:
             else:
                 choice = {"index": 0, "text": self._token(i), "logprobs": None,
                           "finish_reason": finish, "stop_reason": None}
-            out.append({**head, "choices": [choice]})
+            event = {**head, "choices": [choice]}
+            if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                event["usage"] = {"prompt_tokens": 3, "completion_tokens": i + 1,
+                                  "total_tokens": 4 + i}
+            out.append(event)
         if (body.get("stream_options") or {}).get("include_usage"):
             out.append({**head, "choices": [], "usage": {"prompt_tokens": 3,
                                                          "completion_tokens": n}})

@@ -257,3 +257,25 @@ async def test_decode_ending_with_an_end_of_sequence_where_p_did_not_is_a_mismat
         assert [e for e in evs if e == "[DONE]"] == ["[DONE]"]
         assert await metric(c, "mismatch") == 1
         await eventually(lambda: all_idle(c), "router to be idle")
+
+
+@pytest.mark.parametrize("endpoint, base, chat", [("/v1/completions", COMPLETION, False),
+                                                  ("/v1/chat/completions", CHAT, True)])
+async def test_continuous_usage_stats_add_no_empty_event(endpoint, base, chat):
+    """With ``continuous_usage_stats`` every D event carries usage: D's copy of the first
+    token, emptied of its text, must not go out as an empty event because of it."""
+    body = dict(base, **GREEDY, stream_options={"include_usage": True,
+                                                "continuous_usage_stats": True})
+    body.pop("max_completion_tokens", None)
+    async with cluster(first_token="auto") as c:
+        same_tokens(c)
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        status, data, _ = await post(c, endpoint, body)
+        evs = [e for e in events(data) if isinstance(e, dict) and e.get("choices")]
+        texts = [((e["choices"][0].get("delta") or {}).get("content") if chat
+                  else e["choices"][0]["text"]) for e in evs]
+        assert status == 200 and "".join(t or "" for t in texts) == "".join(TOKENS[:5])
+        content = texts[1:] if chat else texts  # (chat: P's role chunk first)
+        assert all(content), texts  # no event without text
+        assert evs[-1]["usage"]["completion_tokens"] == 5
+        assert await metric(c, "prefill") == 1

@@ -186,12 +186,14 @@ class DecodeFilter:
         if self.chat:
             delta.pop("role", None)  # the client has P's role chunk
         text = _choice_text(choice, self.chat)
+        emptied = False  # this event's text was all P's: the client has it
         if text:
             n = min(len(text), len(self.remaining))
             if text[:n] != self.remaining[:n]:
                 raise FirstTokenMismatch(f"the decode server's first token began {text[:n]!r}, "
                                          f"the prefill server's {self.remaining[:n]!r}")
             self.remaining, text = self.remaining[n:], text[n:]
+            emptied = not text
             if self.chat:
                 if text:
                     delta["content"] = text
@@ -206,6 +208,9 @@ class DecodeFilter:
             raise FirstTokenMismatch(f"the decode server's choice finished "
                                      f"({choice['finish_reason']}) before {self.remaining!r} "
                                      f"of the prefill server's token")
-        meaningful = text or choice.get("finish_reason") is not None or obj.get("usage") or (
+        # an event whose text was all P's goes unless it ends the choice: its usage, if any
+        # (``continuous_usage_stats``), is cumulative and comes again with the next event
+        meaningful = text or choice.get("finish_reason") is not None or (
+            obj.get("usage") and not emptied) or (
             self.chat and any(v not in (None, "") for v in (choice.get("delta") or {}).values()))
         return _event(obj) if meaningful else b""
