@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -1203,6 +1204,14 @@ def test_module_entry_point_is_the_command_line(tmp_path):
     out = run([sys.executable, "-m", "kv_push.common.router", "--prefill", "http://p:1",
                "--decode", "http://d:2"])
     assert out.returncode == 2 and "kv=HOST:PORT" in out.stderr, out.stderr
+    # an unreadable secret file: one line, like the command line's errors, no traceback
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KV_PUSH_SECRET")}
+    out = run([sys.executable, "-m", "kv_push.common.router", "--prefill",
+               "http://p:1,kv=p:2", "--decode", "http://d:2"],
+              env=dict(env, KV_PUSH_SECRET_FILE=str(tmp_path / "missing")))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "kv-push-router: error: cannot read the secret file")
 
 
 # -- what clients are told (OpenAI errors, no internal addresses) --------------------------------

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 import urllib.request
 import uuid
@@ -47,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import generate_latest
 
 from kv_push.common import timing
-from kv_push.common.auth import TransferParamsSigner
+from kv_push.common.auth import SecretError, TransferParamsSigner
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.first_token import (
@@ -1098,7 +1099,12 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     logger.info("mode=%s prefill=%s decode=%s", config.mode,
                 [f"{p.url} (kv {p.kv})" for p in config.prefill], list(config.decode))
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=log_level)
+    try:
+        app = build_app(config)  # reads the shared secret (KV_PUSH_SECRET / _FILE)
+    except SecretError as exc:  # as the command line's errors: one line, exit status 2
+        print(f"kv-push-router: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level)
 
 
 if __name__ == "__main__":
