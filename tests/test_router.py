@@ -921,6 +921,31 @@ async def test_a_stream_value_vllm_rejects_is_the_backends_400():
         assert status == 400 and b"valid boolean" in data  # the backend's error, passed on
 
 
+@pytest.mark.parametrize("mode", ["push", "pull", "upstream-push"])
+async def test_the_clients_x_request_id_names_the_request_as_one_server_would(mode):
+    """A client's X-Request-Id: one vLLM server names the request after it and repeats it. The
+    router's legs carry it (push, pull; upstream-push pairs its legs by X-Request-Id, so they
+    carry the router's unique id there), the response repeats it, and the transfer id stays
+    the router's own: two requests with the same client id are two transfers."""
+    async with cluster(mode=mode) as c:
+        (p,), (d,) = c.prefills, c.decodes
+        rs = await asyncio.gather(*(c.client.post("/v1/completions", json=COMPLETION,
+                                                  headers={"X-Request-Id": "trace-7"})
+                                    for _ in range(2)))
+        assert [r.status_code for r in rs] == [200, 200]
+        assert [r.headers["x-request-id"] for r in rs] == ["trace-7", "trace-7"]
+        legs = {rec.request_id for rec in p.records + d.records}
+        if mode == "upstream-push":
+            assert "trace-7" not in legs and len(legs) == 2  # one unique id per exchange
+        else:
+            assert legs == {"trace-7"}
+            assert rs[0].json()["id"] == "cmpl-trace-7"  # D's answer, named by the client
+        if mode == "push":
+            tids = {rec.kv["transfer_id"] for rec in p.records}
+            assert len(tids) == 2 and all(len(t) == 32 for t in tids)
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
 # -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------
 
 

@@ -3,7 +3,7 @@ streaming of D's response to the client.
 
 Per ``POST /v1/completions`` / ``/v1/chat/completions`` one P and one D are picked
 (:class:`~kv_push.common.router.pool.BackendPool`), a transfer id is made (also both legs'
-``X-Request-Id``) and the legs are sent per ``--mode``: ``push`` (this project's connector) and
+``X-Request-Id`` unless the client sent one) and the legs are sent per ``--mode``: ``push`` (this project's connector) and
 ``upstream-push`` (vLLM's ``NixlPushConnector``, once P's engine id is known) at the same time,
 ``pull`` (vLLM's ``NixlConnector``) P first. The P leg asks for one token, not streamed; D's
 response is the client's. A P failure before D's first byte cancels D and becomes the client's
@@ -242,6 +242,8 @@ def redacted(url: str) -> str:
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
+#: the longest client X-Request-Id the legs carry (a longer one is replaced by the transfer id)
+MAX_REQUEST_ID = 256
 #: what a leg's transport raises when it cannot connect at all (nothing was sent)
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 #: what a leg's transport raises (aiohttp's timeouts are ``asyncio.TimeoutError``\ s too: the
@@ -358,6 +360,15 @@ class Exchange:
         self.router, self.endpoint, self.body = router, endpoint, body
         self.stream = wants_stream(body)
         self.tid = uuid.uuid4().hex
+        # the client's X-Request-Id, as one vLLM server takes it: its legs carry it (vLLM names
+        # the response after it) and the response repeats it; the transfer id stays ours
+        # (unique). upstream-push pairs the legs by X-Request-Id, so there they carry the tid.
+        client_id = request.headers.get("x-request-id", "")
+        self.request_id = client_id if 0 < len(client_id) <= MAX_REQUEST_ID else self.tid
+        self.leg_request_id = self.tid if router.config.mode == "upstream-push" \
+            else self.request_id
+        if self.request_id != self.tid:
+            logger.debug("tid=%s: the client's X-Request-Id is %r", self.tid, client_id)
         self.t0 = time.perf_counter()
         p = router.prefill_pool.acquire()
         assert p is not None
@@ -414,7 +425,7 @@ class ProxyStream(StreamingResponse):
     """
 
     def __init__(self, ex: Exchange, d: DecodeStream | PrefillFirstStream) -> None:
-        headers = {"X-Request-Id": ex.tid, "Cache-Control": "no-cache"}
+        headers = {"X-Request-Id": ex.request_id, "Cache-Control": "no-cache"}
         super().__init__(iter(()), status_code=d.status_code, headers=headers,
                          media_type=d.media_type)
         self.ex, self.d = ex, d
@@ -860,7 +871,7 @@ class Router:
     async def dispatch(self, ex: Exchange, request: Request
                        ) -> DecodeStream | PrefillFirstStream:
         """Run the legs until D has produced output; raise UpstreamError / ClientGone."""
-        headers = {"X-Request-Id": ex.tid}
+        headers = {"X-Request-Id": ex.leg_request_id}
         if auth := request.headers.get("authorization"):
             headers["Authorization"] = auth
         ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex), headers))
@@ -953,11 +964,11 @@ class Router:
                 return response
             return Response(d.first, status_code=d.resp.status_code,
                             media_type=d.resp.headers.get("content-type", "application/json"),
-                            headers={"X-Request-Id": ex.tid})
+                            headers={"X-Request-Id": ex.request_id})
         except UpstreamError as err:
             # a rejection is passed on as one server alone would answer it
             ex.outcome = "rejected" if err.rejected else f"{err.leg}_error"
-            return err.to_response(ex.tid)
+            return err.to_response(ex.request_id)
         except ClientGone:
             ex.outcome = "client_disconnect"
             logger.info("tid=%s: client disconnected before the response started", ex.tid)
