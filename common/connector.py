@@ -128,7 +128,9 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                 engine_id=str(ktc.engine_id), tp_rank=tp_rank, tp_size=tp_size,
                 num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(),
                 block_size=block_size, dtype=compat.kv_dtype_name(vllm_config),
-                load_failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")))
+                load_failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")),
+                failed_recving=compat.HAS_FAILED_RECVING,
+                early_failures=compat.kv_cache_groups(kv_cache_config) <= 1)
             check_model = getattr(self._worker.backend, "check_model", None)
             if check_model is not None:  # a backend that cannot serve this model says so now
                 check_model(sliding_window=getattr(mc, "get_sliding_window", lambda: None)(),
@@ -167,9 +169,7 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         return compat.transfer_results(sending, recving, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = self._worker.take_load_errors()
-        # vLLM versions with failed_recving learn about failures from there
-        return set() if compat.HAS_FAILED_RECVING else errors
+        return self._worker.take_load_errors()
 
     def get_kv_connector_stats(self):
         """This half's counters since the last call (then reset). vLLM calls it on the worker

@@ -10,9 +10,19 @@ the transfer thread finished:
 * ``finished_sending``: producer requests whose blocks may be freed (one announced early at
   this step's ``wait_for_save`` only from the next step on: vLLM frees the blocks of each
   request it is told about, and that request ends only in this step's output);
-* ``finished_recving``: decoder requests whose KV arrived -- or failed (their block ids are
-  reported once through ``get_block_ids_with_load_errors``, and vLLM recomputes or fails them
-  per ``kv_load_failure_policy``) -- or that were aborted and are now safe to free.
+* ``finished_recving``: decoder requests whose KV arrived -- or failed -- or that were aborted,
+  each once no producer can write into its blocks any more; a failure is reported with it (in
+  ``failed_recving`` where vLLM has it, else as load errors of its blocks through
+  ``get_block_ids_with_load_errors``), and vLLM recomputes or fails the request per
+  ``kv_load_failure_policy``;
+* a failure decided while the blocks must stay fenced (a producer went silent and may be frozen
+  with a WRITE in flight) is reported at once instead, as load errors of the request's blocks:
+  vLLM's contract lets a connector report those in any step up to the one that names the
+  request in ``finished_recving``, and vLLM (0.29 and 0.32 read here) ends a request that fails
+  while it waits for remote KV at once but holds its blocks until ``finished_recving`` names it
+  (as for a client's abort). So its client gets the error (``fail``) without waiting out the
+  fence; with ``recompute`` the request waits for the fence as before. vLLM takes block-level
+  errors only with one KV cache group (``early_failures``).
 """
 
 from __future__ import annotations
@@ -34,11 +44,19 @@ logger = logging.getLogger(__name__)
 class PushConnectorWorker:
     def __init__(self, *, config: PushConfig, role: str, engine_id: str, tp_rank: int,
                  tp_size: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
-                 load_failure_policy: str = "fail"):
+                 load_failure_policy: str = "fail", failed_recving: bool = False,
+                 early_failures: bool = True):
         """``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``recompute`` or
-        ``fail``), only to label the ``load_failures`` counter: vLLM applies it."""
+        ``fail``), only to label the ``load_failures`` counter: vLLM applies it.
+        ``failed_recving``: vLLM takes a failure together with the request's
+        ``finished_recving`` in ``failed_recving`` (block ids with load errors are then reported
+        only for failures reported before that). ``early_failures``: report a failure decided
+        while the blocks stay fenced at once, as load errors of its blocks (module docstring);
+        vLLM takes those only with one KV cache group."""
         self.config = config
         self.load_failure_policy = load_failure_policy
+        self.failed_recving = failed_recving
+        self.early_failures = early_failures
         self._log = LogLimiter(logger)
         self.role = role
         self.engine_id = engine_id
@@ -51,6 +69,7 @@ class PushConnectorWorker:
         self._blocks: dict[str, tuple[int, ...]] = {}  # decoder key -> its block ids
         self._load_errors: set[int] = set()
         self._abandoned: set[str] = set()  # decoder keys whose outcome vLLM no longer expects
+        self._failed_early: set[str] = set()  # decoder keys reported failed, blocks still fenced
         self._attempts: dict[str, int] = {}  # decoder key -> the attempt vLLM waits for
         #: the KV a step computes is in memory when ``wait_for_save`` runs (host: the forward
         #: ran synchronously); else it is ordered before the next step's bind
@@ -79,7 +98,8 @@ class PushConnectorWorker:
             tp_rank=self.tp_rank, dtype=self.dtype)
         self.worker = PushWorker(geometry=geometry, role=self.role, config=self.config,
                                  engine_id=self.engine_id, backend=self.backend,
-                                 counters=self.counters).start()
+                                 counters=self.counters,
+                                 early_verdicts=self.early_failures).start()
         logger.info("kv_push: %s rank %d/%d ready: %d layers, %d blocks of %d tokens, %s %s, "
                     "backend %s%s", self.role, self.tp_rank, self.tp_size, geometry.num_layers,
                     geometry.num_blocks, geometry.block_size, geometry.token_order,
@@ -119,6 +139,7 @@ class PushConnectorWorker:
                 self._blocks[e.key] = e.block_ids
                 self._attempts[e.key] = e.attempt
                 self._abandoned.discard(e.key)
+                self._failed_early.discard(e.key)
             w.expect(e.key, e.transfer_id, e.attempt, (e.host, e.port), e.block_ids,
                      e.first_token, e.num_tokens, prompt_digest=e.prompt_digest)
         for key in plan.cancels:
@@ -161,7 +182,9 @@ class PushConnectorWorker:
                                  prompt_digest=p.prompt_digest, capacity=p.capacity)
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving); failed ids are also in recving."""
+        """(finished_sending, finished_recving, failed_recving); a failed id is in recving in
+        the same call -- unless it was reported early (load errors only), then it is in recving
+        alone, once its blocks are no longer fenced."""
         w = self.worker
         if w is None:
             return set(), set(), set()
@@ -188,18 +211,35 @@ class PushConnectorWorker:
                     self._blocks.pop(o.key, None)
                     continue
                 blocks = self._blocks.pop(o.key, ())
-                if o.kind == "failed":
-                    self.counters.inc("load_failures", label=self.load_failure_policy)
-                    self._log.warn(f"failed {o.reason}", "kv_push: KV for request %s failed "
-                                   "(kv_load_failure_policy=%s): %s", o.key,
-                                   self.load_failure_policy, o.reason)
-                    self._load_errors.update(blocks)
-                    failed.add(o.key)
+                if o.key in self._failed_early:  # reported failed already; now it may be freed
+                    self._failed_early.discard(o.key)
+                elif o.kind == "failed":
+                    self._report_failed(o, blocks, failed, early=False)
                 recving.add(o.key)
                 if timing.ENABLED:
                     timing.stamp("d_recv_reported", self._tids.pop(o.key, ""), key=o.key,
                                  outcome=o.kind)
+            # after the outcomes: a verdict whose outcome was just reported finds no blocks
+            for v in w.drain_verdicts():
+                if (v.key not in self._blocks or v.key in self._abandoned
+                        or v.key in self._failed_early
+                        or v.attempt < self._attempts.get(v.key, v.attempt)):
+                    continue  # its outcome came first, vLLM gave it up, or a superseded attempt
+                self._report_failed(v, self._blocks[v.key], failed, early=True)
+                self._failed_early.add(v.key)
+                self.counters.inc("load_failures_before_fence_end")
         return sending, recving, failed
+
+    def _report_failed(self, o, blocks, failed: set[str], *, early: bool) -> None:
+        self.counters.inc("load_failures", label=self.load_failure_policy)
+        self._log.warn(f"failed {o.reason}", "kv_push: KV for request %s failed "
+                       "(kv_load_failure_policy=%s)%s: %s", o.key, self.load_failure_policy,
+                       "; its blocks stay held until no WRITE can land in them" if early else "",
+                       o.reason)
+        if early or not self.failed_recving:
+            self._load_errors.update(blocks)
+        if not early:
+            failed.add(o.key)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -13,6 +13,12 @@ engine hands it ``expect`` (a request whose prompt KV a producer will push into 
 * ``released`` -- after ``cancel``: the blocks may be freed or reused; emitted only once the
   same holds.
 
+With ``early_verdicts``, a failure decided while the blocks must stay fenced (a producer went
+silent, failed or timed out with its registration in hand) is also put at once, as an
+``Outcome`` of kind ``failed``, into ``verdicts``: the engine may fail the request now (vLLM holds the blocks of a request that
+ends while it waits for remote KV until the outcome reports them free), so its client does not
+wait out the fence. The outcome itself still comes only once the fence ends.
+
 Exactly one outcome per engine key and attempt, whatever arrives twice or late: every path to an
 outcome goes through ``_finish``, which acts once. A ``cancel`` after the outcome does nothing.
 An attempt superseded before its outcome has none; one superseded after (the engine re-allocated
@@ -173,13 +179,17 @@ class Decoder:
 
     def __init__(self, ctx: RoleContext, *, max_handshakes: int = 8,
                  handshake_fn: Callable[..., Welcome] = handshake,
-                 executor: Executor | None = None, staged=None):
+                 executor: Executor | None = None, staged=None, early_verdicts: bool = False):
         """``handshake_fn`` has the signature of ``side_channel.handshake``; it runs on
         ``executor`` (default: a pool of ``max_handshakes`` threads, shut down by ``close``).
-        ``staged``: a ``staged.StagedReceiver`` when this worker has a staging pool."""
+        ``staged``: a ``staged.StagedReceiver`` when this worker has a staging pool.
+        ``early_verdicts``: put early failures into ``verdicts`` (whoever sets it drains it)."""
+        self.early_verdicts = early_verdicts
         self.ctx = ctx
         self.staged = staged
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        #: early ``failed`` verdicts of wants whose blocks stay fenced (module docstring)
+        self.verdicts: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self.remotes: dict[Address, _Remote] = {}
         self.wants: dict[str, _Want] = {}  # engine key -> its current want
         self.by_reg: dict[tuple[str, int], _Want] = {}  # (reg_id, attempt) -> every want not done
@@ -575,6 +585,8 @@ class Decoder:
         want.next_cancel = now + want.backoff
         self._send_cancels(want)
         self._check(want)
+        if outcome == "failed" and want.state == "fencing" and want.emits and self.early_verdicts:
+            self.verdicts.put(Outcome(want.key, "failed", reason, want.attempt))
 
     def _send_cancels(self, want: _Want) -> None:
         for rank, told in sorted(want.told.items()):

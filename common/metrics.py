@@ -61,6 +61,10 @@ COUNTERS = {
                           "channel HOST:PORT, then the reason)",
     "load_failures": "KV loads that failed and went to vLLM's kv_load_failure_policy "
                      "(label: recompute or fail)",
+    "load_failures_before_fence_end": "of load_failures, those reported to vLLM while their "
+                                      "blocks stayed fenced (a producer silent or failing with "
+                                      "a WRITE possibly in flight): the request fails at once, "
+                                      "vLLM frees its blocks when the fence ends",
     "staged_transfers": "staged transfers: sub-slices packed and written (producer) / unpacked (decoder)",
     "staged_chunks": "staged chunks written (producer) / unpacked (decoder)",
     "staged_bytes": "bytes moved through staging (producer: written; decoder: unpacked)",

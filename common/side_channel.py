@@ -369,9 +369,12 @@ async def probe(host: str, port: int, codec: Codec, timeout: float) -> str | Non
     not as a failed handshake. The whole exchange, name lookup included, is bounded by
     ``timeout``, on the caller's event loop (no thread)."""
     where = f"{host}:{port}"
+    connected = False
 
     async def read() -> bytes:
+        nonlocal connected
         reader, writer = await asyncio.open_connection(host, port)
+        connected = True
         try:
             (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
             if n > MAX_MESSAGE_BYTES:
@@ -385,7 +388,10 @@ async def probe(host: str, port: int, codec: Codec, timeout: float) -> str | Non
     try:
         raw = await asyncio.wait_for(read(), timeout)
     except asyncio.TimeoutError:
-        return f"KV side channel {where}: no challenge within {timeout:g}s"
+        if connected:  # the kernel accepted: a stopped or overloaded producer looks like this
+            return (f"KV side channel {where}: connected, but no challenge within {timeout:g}s "
+                    "(a producer that is stopped or overloaded, or another service on that port)")
+        return f"KV side channel {where}: no connection within {timeout:g}s"
     except MessageRejected as e:
         return f"KV side channel {where}: not a kv_push side channel ({e})"
     except asyncio.IncompleteReadError:

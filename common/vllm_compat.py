@@ -6,8 +6,9 @@ Supported: vLLM 0.29 and 0.32 (tested end to end here with the CPU build), and t
 * ``KVConnectorBase_V1.__init__`` takes ``kv_cache_config`` since 0.2x; older takes two args.
 * ``SupportsHMA`` (``request_finished_all_groups``): mixed in when present, so vLLM does not
   demand ``--disable-hybrid-kv-cache-manager``.
-* ``KVConnectorTransferResults.failed_recving``: failures go there when present, else through
-  ``get_block_ids_with_load_errors``.
+* ``KVConnectorTransferResults.failed_recving``: failures reported with ``finished_recving`` go
+  there when present, else through ``get_block_ids_with_load_errors`` (which always carries the
+  failures reported before the request's blocks are free: ``connector_worker``).
 * ``has_pending_push_work``: keeps the producer's engine loop stepping while blocks wait for
   their WRITEs; where absent, vLLM keeps stepping while requests hold delayed-free blocks.
 * One batch at a time (``one_batch_at_a_time``): whether the scheduler plans a step only after
@@ -104,6 +105,12 @@ def single_group(block_ids: Any) -> list[int]:
             "KVPushConnector handles one KV cache group (attention-only models); this model has "
             f"{len(groups)} groups")
     return groups[0] if groups else []
+
+
+def kv_cache_groups(kv_cache_config: Any) -> int:
+    """KV cache groups of the model (1 where vLLM does not say: older versions, tests)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    return len(groups) if groups is not None else 1
 
 
 def finished_ok(request: Any) -> bool:

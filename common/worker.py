@@ -8,7 +8,8 @@ and returns at once; results come back through thread-safe queues the engine dra
 * producer: ``prefill_done(...)``; ``released`` yields request keys whose blocks may be freed;
   the side channel also takes the router's ``Release`` (``_accept_release``: authenticated there,
   handed to the transfer thread here, answered at once);
-* decoder: ``expect(...)``, ``cancel(key)``; ``outcomes`` yields ``Outcome`` records.
+* decoder: ``expect(...)``, ``cancel(key)``; ``outcomes`` yields ``Outcome`` records (and, with
+  ``early_verdicts``, ``verdicts`` the failures decided before their blocks' fence ends).
 
 Staging pools (``staged.py``): unless ``staged`` is "off", each role allocates its pool through
 the backend (``alloc_staging``; size ``producer_staging_bytes`` / ``decoder_staging_bytes``, -1
@@ -62,7 +63,10 @@ class PushWorker:
         backend: KVBackend | None = None,
         transport_factory: Callable[[], Transport] | None = None,
         counters: Counters | None = None,
+        early_verdicts: bool = False,
     ):
+        """``early_verdicts``: the decoder also reports failures decided while their blocks
+        stay fenced (``drain_verdicts``; the caller must drain them)."""
         if role not in ("producer", "decoder", "both"):
             raise ValueError(f"role must be producer, decoder or both, got {role!r}")
         geometry.validate()
@@ -125,7 +129,8 @@ class PushWorker:
         if role in ("decoder", "both"):
             mem = self.staging.get("decoder")
             self.decoder = Decoder(
-                self.thread, staged=StagedReceiver(self.thread, mem) if mem else None)
+                self.thread, staged=StagedReceiver(self.thread, mem) if mem else None,
+                early_verdicts=early_verdicts)
             self.thread.add_role(self.decoder)
 
     def _nixl_backends(self) -> tuple[str, ...]:
@@ -301,6 +306,12 @@ class PushWorker:
     def drain_outcomes(self) -> list[Outcome]:
         decoder = self._need(self.decoder, "drain_outcomes")
         return _drain(decoder.outcomes)
+
+    def drain_verdicts(self) -> list[Outcome]:
+        """Failures decided while their blocks stay fenced (``early_verdicts``); each key's
+        outcome follows once the fence ends."""
+        decoder = self._need(self.decoder, "drain_verdicts")
+        return _drain(decoder.verdicts)
 
     # -- both --------------------------------------------------------------------------------------
     def live(self, timeout: float = 5.0) -> dict[str, int]:

@@ -233,7 +233,7 @@ class StubWorker:
     producer = None
 
     def __init__(self):
-        self.calls, self.outcomes = [], []
+        self.calls, self.outcomes, self.verdicts = [], [], []
         self.decoder = self
 
     def expect(self, *args, **kw):
@@ -244,6 +244,10 @@ class StubWorker:
 
     def drain_outcomes(self):
         out, self.outcomes = self.outcomes, []
+        return out
+
+    def drain_verdicts(self):
+        out, self.verdicts = self.verdicts, []
         return out
 
 
@@ -284,6 +288,79 @@ def test_a_superseded_attempts_outcome_is_not_reported_to_vllm():
     assert cw.get_finished() == (set(), set(), set())
     stub.outcomes = [Outcome("r1", "failed", "x", attempt=1)]
     assert cw.get_finished() == (set(), {"r1"}, {"r1"})
+    assert cw.take_load_errors() == {5, 6}
+
+
+def _decoder_half(**kw):
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_worker import PushConnectorWorker
+
+    cw = PushConnectorWorker(config=PushConfig(backend="host"), role="decoder", engine_id="D",
+                             tp_rank=0, tp_size=1, num_kv_heads=2, head_size=8, block_size=BS,
+                             dtype="bfloat16", **kw)
+    cw.worker = stub = StubWorker()
+    return cw, stub
+
+
+@pytest.mark.parametrize("failed_recving", [False, True], ids=["load_errors", "failed_recving"])
+def test_a_failure_decided_while_fenced_reaches_vllm_at_once_and_frees_only_later(failed_recving):
+    # a frozen producer: the request fails now (its client is answered), its blocks stay held
+    # by vLLM until finished_recving says nothing can be written into them. The early report
+    # is block-level (vLLM takes those before finished_recving; its failed_recving only with
+    # it), on every vLLM version
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.decoder import Outcome
+
+    cw, stub = _decoder_half(failed_recving=failed_recving)
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32),
+                                Expect("r2", "t2", 0, "h", 1, (3, 4), 0, 32)]))
+    stub.verdicts = [Outcome("r1", "failed", "producer P rank 0 is unresponsive")]
+    assert cw.get_finished() == (set(), set(), set())  # not finished: blocks held
+    assert cw.take_load_errors() == {1, 2}
+    stats = cw.stats()
+    assert stats["load_failures_before_fence_end"] == 1
+    assert {k: v for k, v in stats.items() if k.startswith("load_failures") and "fence" not in k
+            } == {"load_failures": 1, "load_failures{fail}": 1}, stats
+    stub.verdicts = [Outcome("r1", "failed", "again")]  # never twice
+    assert cw.get_finished() == (set(), set(), set())
+    cw.handle(StepPlan(cancels=["r1"]))  # vLLM ended the request: it asks for a release
+    stub.outcomes = [Outcome("r1", "released", "request finished before its KV arrived")]
+    assert cw.get_finished() == (set(), {"r1"}, set())  # now vLLM frees the blocks
+    assert cw.take_load_errors() == set()
+    assert cw.stats() == {}  # counted once, when it was reported
+    # a verdict and its outcome in one call: reported once, as an ordinary failure (with
+    # finished_recving: in failed_recving where vLLM has it, else as load errors)
+    stub.outcomes = [Outcome("r2", "failed", "dead")]
+    stub.verdicts = [Outcome("r2", "failed", "unresponsive")]
+    assert cw.get_finished() == (set(), {"r2"}, {"r2"})
+    assert cw.take_load_errors() == (set() if failed_recving else {3, 4})
+    assert "load_failures_before_fence_end" not in cw.stats()
+
+
+def test_early_failures_only_with_one_kv_cache_group():
+    # vLLM 0.32 raises (the engine dies) on block-level load errors with several groups
+    from kv_push.common import vllm_compat as compat
+
+    assert compat.kv_cache_groups(SimpleNamespace(kv_cache_groups=[object()])) == 1
+    assert compat.kv_cache_groups(SimpleNamespace(kv_cache_groups=[object(), object()])) == 2
+    assert compat.kv_cache_groups(None) == 1  # vLLM that passes no kv_cache_config
+
+
+def test_a_verdict_vllm_no_longer_waits_for_is_dropped():
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.decoder import Outcome
+
+    cw, stub = _decoder_half()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32),
+                                Expect("r2", "t1", 0, "h", 1, (3, 4), 0, 32)]))
+    cw.handle(StepPlan(abandons=["r1"]))  # re-scheduled to compute locally
+    cw.handle(StepPlan(expects=[Expect("r2", "t1", 1, "h", 1, (5, 6), 0, 32)]))  # re-allocated
+    stub.verdicts = [Outcome("r1", "failed", "x"), Outcome("r2", "failed", "y", attempt=0),
+                     Outcome("r9", "failed", "never expected")]
+    assert cw.get_finished() == (set(), set(), set())
+    assert cw.take_load_errors() == set()
+    stub.verdicts = [Outcome("r2", "failed", "z", attempt=1)]
+    assert cw.get_finished() == (set(), set(), set())
     assert cw.take_load_errors() == {5, 6}
 
 

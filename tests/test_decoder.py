@@ -116,6 +116,12 @@ class Bench:
             out.append(self.decoder.outcomes.get_nowait())
         return out
 
+    def verdicts(self) -> list[Outcome]:
+        out = []
+        while not self.decoder.verdicts.empty():
+            out.append(self.decoder.verdicts.get_nowait())
+        return out
+
     # the producer ranks
     def got(self, rank: int = 0) -> list:
         return self.p[rank].received()
@@ -686,6 +692,56 @@ def test_a_silent_producer_fails_the_request_but_keeps_the_blocks_fenced():
     b.lifelines["P0"]()  # only its death frees the blocks
     b.d.step(2)
     assert b.outcomes() == [Outcome("req-1", "failed", "producer P rank 0 is unresponsive")]
+
+
+def test_a_failure_decided_while_fenced_is_a_verdict_at_once_and_an_outcome_when_safe():
+    # the engine may fail the request at once (vLLM holds its blocks until the outcome), so a
+    # frozen producer does not keep the client waiting for the fence
+    b = Bench(heartbeat_interval_s=10.0, fence_timeout_s=1000.0)
+    b.decoder.early_verdicts = True
+    b.expect()
+    b.expect("req-2", "t2")
+    b.got()
+    b.clock.advance(16)
+    b.d.step()
+    assert b.verdicts() == [Outcome("req-1", "failed", "producer P rank 0 is unresponsive"),
+                            Outcome("req-2", "failed", "producer P rank 0 is unresponsive")]
+    assert b.outcomes() == []  # still fenced
+    b.cancel()  # the engine ended req-1 on the verdict: it still waits for the outcome
+    b.ack()  # P answers req-1's cancel: nothing more can land there
+    assert b.outcomes() == [Outcome("req-1", "released", "producer P rank 0 is unresponsive")]
+    b.clock.advance(100)
+    b.d.step()
+    assert b.verdicts() == [] and b.outcomes() == []  # one verdict per want, req-2 fenced
+    b.lifelines["P0"]()
+    b.d.step(2)
+    assert b.outcomes() == [Outcome("req-2", "failed", "producer P rank 0 is unresponsive")]
+    assert b.verdicts() == []
+
+
+def test_no_verdict_where_the_outcome_itself_comes_at_once_or_the_engine_let_go():
+    b = Bench(heartbeat_interval_s=10.0, fence_timeout_s=1000.0)
+    b.decoder.early_verdicts = True
+    b.refuse[PORT] = "connection refused"
+    b.expect()  # nothing advertised: nothing to fence, the outcome is immediate
+    assert [o.kind for o in b.outcomes()] == ["failed"] and b.verdicts() == []
+    del b.refuse[PORT]
+    b.expect("req-2", "t2")
+    b.failed(tid="t2", reg="req-2", chunks_done=0)  # P answered: quiet, no fence to wait out
+    assert [o.kind for o in b.outcomes()] == ["failed"] and b.verdicts() == []
+    b.expect("req-3", "t3")
+    b.cancel("req-3")  # the engine let go: it needs no verdict
+    b.expect("req-4", "t4")
+    b.expect("req-4", "t4", attempt=1)  # attempt 0 superseded: no outcome, no verdict of its own
+    b.clock.advance(16)
+    b.d.step()
+    assert b.verdicts() == [Outcome("req-4", "failed", "producer P rank 0 is unresponsive",
+                                    attempt=1)]
+    off = Bench(heartbeat_interval_s=10.0, fence_timeout_s=1000.0)  # the default: none at all
+    off.expect()
+    off.clock.advance(16)
+    off.d.step()
+    assert off.verdicts() == [] and off.outcomes() == []
 
 
 def test_a_silent_producer_that_speaks_again_can_answer():

@@ -13,6 +13,9 @@
   and never answers (D's engine never sees any request, so only the router can make P let go),
   then through a real D with early hang-ups -- leaves P (and D) with no KV block in use within
   seconds, before the TTL could have freed anything, each prefill freed by a release.
+* ``TestFrozenProducer`` -- P stopped with SIGSTOP right before requests D registers with it:
+  their clients get an error once P is unresponsive (seconds), not after the fence's bound,
+  while D keeps their blocks until P, resumed, answers the cancels; both idle afterwards.
 * ``TestTensorParallel2`` -- P and D both at TP 2 (vLLM's CPU build runs TP over gloo): outputs
   identical to a single server at TP 2. Needs 4 cores: skipped on fewer (``KV_PUSH_E2E_TP2=1``
   runs it anyway). On this 2-core box it fits in memory (4.8 + 4.8 GiB resident for P and D)
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -339,6 +343,138 @@ class TestKillMidStream:
         prompt = prompts[5]  # P keeps serving (alone: nothing to push to)
         got = complete(p2.url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
         assert signature(got) == env["reference"][prompt]
+
+
+# -- a frozen producer ---------------------------------------------------------------------------
+
+
+#: heartbeats of the frozen-producer pair: D takes P for unresponsive 1.5 intervals after its
+#: last heartbeat -- long enough that D registers a request sent right after the freeze first
+FROZEN_HEARTBEAT_S = 4.0
+#: D's fence_timeout_s there (the default): before failures were reported early, the clients of
+#: a frozen P waited 1.5 heartbeats + 2 fence time-outs (66 s) for their error
+FROZEN_FENCE_S = 30.0
+
+
+def _signal_all(server: Server, sig: int) -> None:
+    for pid in server.pids():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class TestFrozenProducer:
+    @pytest.fixture(scope="class")
+    def pair(self, env, prompts):
+        servers = []
+        cfg = {"heartbeat_interval_s": FROZEN_HEARTBEAT_S}
+        try:
+            p, kv = producer(env, "prefill-frozen", extra_config=cfg)
+            d = decoder(env, "decode-frozen",
+                        extra_config={**cfg, "fence_timeout_s": FROZEN_FENCE_S})
+            d_re = decoder(env, "decode-frozen-recompute", cpu=0, extra_config=cfg,
+                           kv_config={"kv_load_failure_policy": "recompute"})
+            servers += [p, d, d_re]
+            up(servers)
+            servers.append(r := front(env, "router-frozen", p, kv, d))
+            servers.append(r_re := front(env, "router-frozen-recompute", p, kv, d_re))
+            for warm in (r, r_re):  # first steps and the handshakes
+                complete(warm.url, prompts[2])
+            assert_idle([p, d, d_re], within=IDLE_BOUND)
+            yield {"p": p, "d": d, "r": r, "d_re": d_re, "r_re": r_re}
+        finally:
+            stop(servers)
+
+    def test_a_frozen_producers_clients_get_their_error_without_waiting_out_the_fence(
+            self, pair, prompts, env, figures):
+        """P stops (SIGSTOP of every process: no heartbeat, no answer, TCP still accepted)
+        right before two requests (one plain, one streamed) that D registers with it. D fails
+        them once P is unresponsive, and vLLM answers their clients at once -- while D keeps
+        their blocks (P may be frozen with a WRITE in flight) until P, resumed, answers the
+        cancels. Then both servers are idle and the pair serves correctly again."""
+        p, d, url = pair["p"], pair["d"], pair["r"].url
+        early = "vllm:kv_push_load_failures_before_fence_end_total"
+        before = metric(d.url, early)
+
+        async def run() -> tuple[httpx.Response, float, dict]:
+            async with httpx.AsyncClient(timeout=4 * FROZEN_FENCE_S) as client:
+                t0 = time.monotonic()
+
+                async def plain() -> tuple[httpx.Response, float]:
+                    r = await client.post(f"{url}/v1/completions",
+                                          json=body(prompts[7] + " frozen", max_tokens=8))
+                    return r, time.monotonic() - t0
+
+                (r, t_plain), s = await asyncio.gather(
+                    plain(), _stream(client, url, prompts[8] + " frozen", 8, asyncio.Event()))
+                return r, t_plain, s
+
+        _signal_all(p, signal.SIGSTOP)
+        try:
+            r, t_plain, s = asyncio.run(run())
+            held = busy(d)["kv_usage"]  # D still holds their blocks: P is still frozen
+            reported = metric(d.url, early) - before
+        finally:
+            _signal_all(p, signal.SIGCONT)
+        t_thawed = time.monotonic()
+        figures("e2e faults", "frozen P (SIGSTOP): its clients' errors after",
+                f"{t_plain:.1f} s / {s['elapsed']:.1f} s",
+                f"plain / streamed; heartbeat {FROZEN_HEARTBEAT_S:.0f} s, fence "
+                f"{FROZEN_FENCE_S:.0f} s (the fence bound would have been "
+                f"{1.5 * FROZEN_HEARTBEAT_S + 2 * FROZEN_FENCE_S:.0f} s); D's KV usage "
+                f"meanwhile {held:.4f}; reported before the fence ended: {reported:.0f}")
+        assert r.status_code == 502, r.text  # the router dialled P's side channel: no answer
+        err = r.json()["error"]
+        assert err["type"] == "kv_side_channel_unreachable", err
+        assert "connected, but no challenge" in err["message"], err
+        assert s["error"] and not s["text"], s
+        assert reported == 2, reported  # both failed while their blocks were fenced
+        assert t_plain < FROZEN_FENCE_S and s["elapsed"] < FROZEN_FENCE_S, (t_plain, s)
+        assert held > 0, "D held no blocks for the failed requests while P was frozen"
+        waited = assert_idle([p, d], within=IDLE_BOUND)
+        figures("e2e faults", "frozen P resumed: P and D idle after", f"{waited:.1f} s",
+                f"{time.monotonic() - t_thawed:.1f} s after SIGCONT")
+        prompt = prompts[5]
+        choice = complete(url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
+        assert signature(choice) == env["reference"][prompt]
+
+
+    def test_with_recompute_the_request_waits_for_the_fence_then_d_computes_it(
+            self, pair, prompts, env, figures):
+        """``kv_load_failure_policy = recompute``: the failure reported early changes nothing
+        for the client: vLLM recomputes into the request's blocks only once the fence ends
+        (here: P resumed and answered), and the answer is the single server's."""
+        p, d, url = pair["p"], pair["d_re"], pair["r_re"].url
+        early = "vllm:kv_push_load_failures_before_fence_end_total"
+        before = metric(d.url, early)
+        prompt = prompts[9]
+        with ThreadPoolExecutor(1) as pool:
+            _signal_all(p, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                fut = pool.submit(httpx.post, f"{url}/v1/completions", json=body(prompt),
+                                  timeout=4 * FROZEN_FENCE_S)
+                while metric(d.url, early) - before < 1:
+                    assert time.monotonic() - t0 < FROZEN_FENCE_S, "no failure reported"
+                    assert not fut.done(), fut.result().text
+                    time.sleep(0.5)
+                t_reported = time.monotonic() - t0
+                time.sleep(1.0)
+                assert not fut.done(), fut.result().text  # waits for the fence, not failed
+                held = busy(d)["kv_usage"]
+            finally:
+                _signal_all(p, signal.SIGCONT)
+            r = fut.result()
+            t_answered = time.monotonic() - t0
+        figures("e2e faults", "frozen P, D with recompute: failure reported / answered after",
+                f"{t_reported:.1f} s / {t_answered:.1f} s",
+                f"P resumed at {t_reported + 1:.1f} s; D's KV usage meanwhile {held:.4f}")
+        assert held > 0
+        assert r.status_code == 200, r.text
+        assert signature(r.json()["choices"][0]) == env["reference"][prompt]
+        assert metric(d.url, "vllm:kv_push_load_failures_total", reason="recompute") >= 1
+        assert_idle([p, d], within=IDLE_BOUND)
 
 
 # -- the router's release ----------------------------------------------------------------------

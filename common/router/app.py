@@ -799,9 +799,9 @@ class Router:
             cause = problem.partition(": ")[2] or problem  # without "KV side channel H:P"
             raise UpstreamError(
                 "decode", "kv_unreachable", 502,
-                "the decode server could not load the prompt's KV: the prefill server's KV side "
-                "channel, at the address this router gives decoders for it (kv=), cannot be "
-                f"reached: {without_addresses(cause)}", "kv_side_channel_unreachable")
+                "the decode server could not load the prompt's KV, and the prefill server's KV "
+                "side channel, at the address this router gives decoders for it (kv=), does not "
+                f"answer: {without_addresses(cause)}", "kv_side_channel_unreachable")
 
     def _learn_peer(self, url: str, params: Any) -> None:
         """Remember (or refresh) an upstream-push P's engine id and sizes from its response."""
