@@ -70,6 +70,7 @@ class PushConnectorWorker:
         self._load_errors: set[int] = set()
         self._abandoned: set[str] = set()  # decoder keys whose outcome vLLM no longer expects
         self._failed_early: set[str] = set()  # decoder keys reported failed, blocks still fenced
+        self._ended: set[str] = set()  # decoder keys vLLM ended (cancelled) before their outcome
         self._attempts: dict[str, int] = {}  # decoder key -> the attempt vLLM waits for
         #: the KV a step computes is in memory when ``wait_for_save`` runs (host: the forward
         #: ran synchronously); else it is ordered before the next step's bind
@@ -140,9 +141,12 @@ class PushConnectorWorker:
                 self._attempts[e.key] = e.attempt
                 self._abandoned.discard(e.key)
                 self._failed_early.discard(e.key)
+                self._ended.discard(e.key)
             w.expect(e.key, e.transfer_id, e.attempt, (e.host, e.port), e.block_ids,
                      e.first_token, e.num_tokens, prompt_digest=e.prompt_digest)
         for key in plan.cancels:
+            if key in self._blocks:  # its outcome is still to come
+                self._ended.add(key)
             w.cancel(key, "request finished before its KV arrived")
         for key in plan.abandons:
             self._abandoned.add(key)
@@ -206,8 +210,10 @@ class PushConnectorWorker:
                 if o.attempt < self._attempts.get(o.key, o.attempt):
                     continue  # a superseded attempt's: vLLM waits for the newer one's
                 self._attempts.pop(o.key, None)
+                self._ended.discard(o.key)
                 if o.key in self._abandoned:
                     self._abandoned.discard(o.key)
+                    self._failed_early.discard(o.key)
                     self._blocks.pop(o.key, None)
                     continue
                 blocks = self._blocks.pop(o.key, ())
@@ -222,9 +228,11 @@ class PushConnectorWorker:
             # after the outcomes: a verdict whose outcome was just reported finds no blocks
             for v in w.drain_verdicts():
                 if (v.key not in self._blocks or v.key in self._abandoned
-                        or v.key in self._failed_early
+                        or v.key in self._ended or v.key in self._failed_early
                         or v.attempt < self._attempts.get(v.key, v.attempt)):
-                    continue  # its outcome came first, vLLM gave it up, or a superseded attempt
+                    # its outcome came first, vLLM ended or gave up the request (it would
+                    # ignore the report), or a superseded attempt's
+                    continue
                 self._report_failed(v, self._blocks[v.key], failed, early=True)
                 self._failed_early.add(v.key)
                 self.counters.inc("load_failures_before_fence_end")

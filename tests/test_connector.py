@@ -337,6 +337,42 @@ def test_a_failure_decided_while_fenced_reaches_vllm_at_once_and_frees_only_late
     assert "load_failures_before_fence_end" not in cw.stats()
 
 
+def test_a_verdict_after_vllm_ended_the_request_is_neither_reported_nor_counted():
+    # the client aborted while the verdict was on its way: vLLM would ignore the report
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.decoder import Outcome
+
+    cw, stub = _decoder_half()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32)]))
+    cw.handle(StepPlan(cancels=["r1"]))
+    stub.verdicts = [Outcome("r1", "failed", "producer P rank 0 is unresponsive")]
+    assert cw.get_finished() == (set(), set(), set())
+    assert cw.take_load_errors() == set() and cw.stats() == {}
+    stub.outcomes = [Outcome("r1", "released", "request finished before its KV arrived")]
+    assert cw.get_finished() == (set(), {"r1"}, set())
+    assert not cw._ended and not cw._failed_early and not cw._blocks
+
+
+def test_a_worker_connector_reports_early_only_with_one_kv_cache_group(monkeypatch):
+    # vLLM 0.32 raises (the engine dies) on block-level load errors with several groups
+    from kv_push.common import vllm_compat
+    from kv_push.common.connector import KVPushConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    monkeypatch.setattr(vllm_compat, "tp_rank_and_size", lambda: (0, 1))
+    monkeypatch.setattr(vllm_compat, "kv_dtype_name", lambda cfg: "bfloat16")
+    ktc = SimpleNamespace(kv_connector_extra_config={"backend": "host"}, kv_role="kv_consumer",
+                          engine_id="e", is_kv_producer=False, kv_load_failure_policy="fail")
+    mc = SimpleNamespace(get_total_num_kv_heads=lambda: 2, get_head_size=lambda: 8,
+                         get_sliding_window=lambda: None)
+    cfg = SimpleNamespace(kv_transfer_config=ktc, model_config=mc,
+                          cache_config=SimpleNamespace(block_size=16))
+    groups = lambda n: SimpleNamespace(kv_cache_groups=[object()] * n)  # noqa: E731
+    assert KVPushConnector(cfg, KVConnectorRole.WORKER, groups(1))._worker.early_failures
+    assert not KVPushConnector(cfg, KVConnectorRole.WORKER, groups(2))._worker.early_failures
+    assert KVPushConnector(cfg, KVConnectorRole.WORKER, None)._worker.early_failures
+
+
 def test_early_failures_only_with_one_kv_cache_group():
     # vLLM 0.32 raises (the engine dies) on block-level load errors with several groups
     from kv_push.common import vllm_compat as compat

@@ -719,6 +719,25 @@ def test_a_failure_decided_while_fenced_is_a_verdict_at_once_and_an_outcome_when
     assert b.verdicts() == []
 
 
+def test_a_time_out_or_a_failure_with_notices_still_due_is_a_verdict_too():
+    b = Bench(fence_timeout_s=1000.0)
+    b.decoder.early_verdicts = True
+    b.expect()
+    b.got()
+    b.clock.advance(TIMEOUT + 1)  # no KV within transfer_timeout_s; P never answers
+    b.d.step()
+    assert b.verdicts() == [Outcome("req-1", "failed", "no KV within 60s")]
+    assert b.outcomes() == []
+    b.expect("req-2", "t2")
+    b.failed(tid="t2", reg="req-2", chunks_done=2)  # two chunks landed, their notices not yet
+    assert b.verdicts() == [Outcome("req-2", "failed", "producer rank 0: boom")]
+    assert b.outcomes() == []
+    b.write_done(tid="t2", reg="req-2", chunk=0, chunks=4)
+    b.write_done(tid="t2", reg="req-2", chunk=1, chunks=4)
+    assert b.outcomes() == [Outcome("req-2", "failed", "producer rank 0: boom")]
+    assert b.verdicts() == []
+
+
 def test_no_verdict_where_the_outcome_itself_comes_at_once_or_the_engine_let_go():
     b = Bench(heartbeat_interval_s=10.0, fence_timeout_s=1000.0)
     b.decoder.early_verdicts = True
