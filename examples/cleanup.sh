@@ -11,7 +11,7 @@ STOP_TIMEOUT=${STOP_TIMEOUT:-30}
 members() { ps -e -o pgid=,stat=,args= | awk -v g="$1" '$1 == g && $2 !~ /^Z/'; }
 
 # is $1 still a process group serve_pd.sh started (a vLLM server or the router)?
-ours() { members "$1" | grep -qE 'vllm|kv_push'; }
+ours() { members "$1" | grep -qiE 'vllm|kv_push'; }  # vLLM's children: VLLM::EngineCore
 
 group_alive() { [ -n "$(members "$1")" ]; }
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -100,3 +103,50 @@ def test_plot_rejects_what_it_cannot_read(tmp_path: Path):
     good.write_text(json.dumps(bench_result("push", "rate", 1, 512, [0.1], [""])))
     out = run(PLOT, good, good)
     assert out.returncode == 2 and "give -o PNG" in out.stderr
+
+
+# -- examples/cleanup.sh ---------------------------------------------------------------------
+
+
+def _orphaned_group(name: str) -> tuple[int, int]:
+    """A process group whose leader is gone while a child named ``name`` runs on (as vLLM's
+    engine core does after a kill -9 of its API server). Returns (group id, child pid)."""
+    leader = subprocess.Popen(["bash", "-c", f'(exec -a "{name}" sleep 300) & echo $!'],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(leader.stdout.readline())
+    leader.wait(10)
+    return leader.pid, child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_cleanup_stops_a_servers_orphaned_engine_and_leaves_others_alone(tmp_path: Path):
+    engine_group, engine = _orphaned_group("VLLM::EngineCore")
+    other_group, other = _orphaned_group("someone-elses-sleep")
+    try:
+        (tmp_path / "prefill.pid").write_text(str(engine_group))
+        (tmp_path / "decode.pid").write_text(str(other_group))  # reused pid: not ours
+        out = subprocess.run(["bash", str(REPO / "examples" / "cleanup.sh")], capture_output=True,
+                             text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                         "RUN_DIR": str(tmp_path),
+                                                         "STOP_TIMEOUT": "5"})
+        assert out.returncode == 0, out.stderr
+        assert "stopped 1 process group(s)" in out.stdout, out.stdout
+        for _ in range(50):
+            if not _alive(engine):
+                break
+            time.sleep(0.1)
+        assert not _alive(engine), out.stdout
+        assert _alive(other)
+        assert not list(tmp_path.glob("*.pid"))
+    finally:
+        for pid in (engine, other):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
