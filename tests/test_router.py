@@ -1049,6 +1049,20 @@ async def test_refusal_of_another_producer_is_not_blamed():
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+def test_a_pair_that_works_again_is_not_marked_on_refusals_counted_before():
+    """D counted more refusals after the router's last look (several for one failed request);
+    the pair then works: those refusals are history too."""
+    from kv_push.common.router.compat import PairCompat
+
+    compat = PairCompat()
+    seen = lambda n: {"kv:1": (REFUSAL, float(n))}  # noqa: E731
+    assert compat.judge("p", "kv:1", "d", seen(3)) is not None
+    compat.worked("p", "d")  # D's count is 6 by now; the router saw 3
+    assert compat.judge("p", "kv:1", "d", seen(6)) is None
+    assert compat.incompatible == {}
+    assert compat.judge("p", "kv:1", "d", seen(7)).reason == REFUSAL  # a new one counts
+
+
 async def test_probe_finds_an_incompatible_pair_before_any_request():
     async with cluster() as c:
         c.decodes[0].behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
@@ -1184,6 +1198,18 @@ async def test_a_dead_decode_server_is_left_out_and_its_legs_go_to_another():
         dead = h["decode"][0]
         assert h["status"] == "degraded" and dead["down_for_s"] > 0, h
         assert "down_for_s" not in h["decode"][1]
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
+async def test_health_is_503_while_every_decode_server_is_left_out():
+    """A readiness check on plain /health must not keep sending traffic to a router that can
+    serve nothing (its only D cannot be connected to)."""
+    async with cluster(dead_decodes=1, n_d=0) as c:
+        assert (await c.client.get("/health")).status_code == 200  # not known to be down yet
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 502, r.text
+        h = await c.client.get("/health")
+        assert h.status_code == 503 and h.json()["decode"][0]["down_for_s"] > 0, h.json()
         await eventually(lambda: all_idle(c), "router to be idle")
 
 

@@ -1014,10 +1014,13 @@ class Router:
                         self.compat.judge(p.url, p.spec.kv, d.url, found)
         incompatible = [i.as_dict() for i in self.compat.incompatible.values()]
         pairs = len(self.prefill_pool.backends) * len(self.decode_pool.backends)
-        # 503 when nothing can be served: a backend is down, or every pair is incompatible
-        unusable = any(problems) or len(incompatible) == pairs
         now = time.monotonic()
         down = any(not b.up(now) for b in backends)  # could not be connected to (pool.py)
+        # 503 when nothing can be served: a backend fails its probe, every pair is
+        # incompatible, or every backend of one role is left out (could not be connected to)
+        role_down = any(all(not b.up(now) for b in pool.backends)
+                        for pool in (self.prefill_pool, self.decode_pool))
+        unusable = any(problems) or len(incompatible) == pairs or role_down
         info: dict[str, Any] = {
             "status": "degraded" if any(problems) or incompatible or down else "ok",
             "mode": self.config.mode, "prefill": [], "decode": [], "incompatible": incompatible}

@@ -10,9 +10,12 @@ D dialled, i.e. the router's ``kv=`` of that P); the router reads D's ``/metrics
 fails and when ``/health?probe=true`` is asked, and so can tell the client and the operator why.
 
 A refusal counted before a later success of the same pair is history (one side was
-reconfigured): only refusals beyond the count seen when the pair last worked mark it. When a
-pair worked before the router ever read D's count, that count is unknown: the next look only
-takes it as the baseline (a failure is then left unexplained rather than wrongly explained).
+reconfigured): only refusals beyond D's count when the pair last worked mark it. The router
+does not know that count when the pair works -- it read D's count earlier, and D may have
+counted more refusals since (several for one failed request, or for requests the router did
+not look at) -- so the next look only takes D's count as the baseline (a failure between the
+success and that look is then left unexplained rather than wrongly explained: a pair that works
+again must not be reported incompatible on its old refusals).
 """
 
 from __future__ import annotations
@@ -103,8 +106,7 @@ class PairCompat:
         self.clock = clock
         self.incompatible: dict[tuple[str, str], Incompatibility] = {}
         self._found_at: dict[tuple[str, str], float] = {}  # when each was last found incompatible
-        self._seen: dict[tuple[str, str], float] = {}  # refusals counted when last judged
-        # refusals counted at the pair's last success (None: it worked before any look)
+        # refusals counted at the pair's last success (None: unknown, the next look tells)
         self._cleared: dict[tuple[str, str], float | None] = {}
 
     def judge(self, prefill: str, kv: str, decode: str,
@@ -113,7 +115,6 @@ class PairCompat:
         first time it is (and again when the reason changes)."""
         pair = (prefill, decode)
         reason, count = refusals.get(kv, ("", 0.0))
-        self._seen[pair] = count
         cleared = self._cleared.get(pair, 0.0)
         if cleared is None:
             self._cleared[pair] = count
@@ -141,4 +142,4 @@ class PairCompat:
         self._found_at.pop(pair, None)
         if self.incompatible.pop(pair, None) is not None:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
-        self._cleared[pair] = self._seen.get(pair)
+        self._cleared[pair] = None  # D's count now: the next look reads it
