@@ -435,6 +435,12 @@ class Producer:
         if msg.geometry_digest != peer.geometry_digest:
             self._tell_failed(reg, "layout changed since handshake; reconnect", 0)
             raise MessageRejected("bad_layout", f"stale geometry digest from {peer.engine_id}")
+        if reg.num_tokens <= reg.first_token and (
+                reg.request in self.tombstones or reg.transfer_id in self.released_tids):
+            # a release-only registration (the decoder's request ended before it asked for
+            # anything) of a transfer already let go: both sides agree, nothing to answer
+            self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
+            return
         if reg.request in self.tombstones:
             self._tell_failed(reg, "the producer already released this transfer", 0)
             self.ctx.counters.inc("stale", label="registration_after_release")
@@ -529,15 +535,15 @@ class Producer:
             timing.stamp("p_pair", reg.transfer_id, key=src.key, reg=reg.request[1],
                          rank=reg.tp_rank)
         peer = self.ctx.peer(reg.peer)
+        if reg.num_tokens <= reg.first_token:  # release only: nothing is wanted, nothing to say
+            self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
+            self._resolve(reg)
+            return
         if src.failure:
             self._tell_failed(reg, f"prefill failed: {src.failure}", 0)
             self._resolve(reg)
             return
         if peer is None:
-            self._resolve(reg)
-            return
-        if reg.num_tokens <= reg.first_token:  # release only: nothing is wanted
-            self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
             self._resolve(reg)
             return
         if reg.num_tokens > src.num_tokens:

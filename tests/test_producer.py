@@ -628,6 +628,27 @@ def test_a_registration_after_a_release_fails_at_once_and_is_never_written():
     assert b.got() == [] and b.p.count("registrations_early") == 1
 
 
+def test_a_release_only_registration_of_a_released_transfer_is_not_a_failure():
+    """D's engine ended a request it never asked anything for (vLLM rejected it, a client
+    gone while it queued) and tells P to let go -- after the router's release or after P freed
+    the prefill: nothing is answered and nothing counts as failed or stale (client errors must
+    not move failure counters)."""
+    b = Bench()
+    b.prefill()
+    b.release()
+    b.register(blocks=(), num_tokens=0)
+    assert b.got() == [] and b.writes() == [] and b.idle()
+    assert b.p.count("transfers_failed") == 0 and b.p.count("stale") == 0
+    b.prefill(key="req-2", tid="t2")
+    b.register(tid="t2", reg="d-2")
+    assert b.got() == [done(tid="t2", reg="d-2")]
+    b.register(tid="t2", reg="d-2", attempt=1, blocks=(), num_tokens=0)  # after the tombstone
+    assert b.got() == [] and b.p.count("transfers_failed") == 0 and b.p.count("stale") == 0
+    b.prefill(key="req-3", tid="t3")
+    b.register(tid="t3", reg="d-3", blocks=(), num_tokens=0)  # the usual release: quiet too
+    assert b.got() == [] and b.released[-1] == "req-3"
+
+
 def test_a_registration_after_a_release_of_a_prefill_still_running_fails_at_once():
     """The Release may overtake the prefill (P's engine reports it a step later): the
     registration is failed at once, and the prefill is freed as soon as it is reported."""
