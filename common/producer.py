@@ -93,6 +93,7 @@ from .messages import (
 )
 from .nixl_compat import check_peer_nixl
 from .rendezvous import (
+    Claim,
     ConflictEvent,
     Pairing,
     RdvKey,
@@ -169,6 +170,11 @@ class _Answered:
 
     chunks_done: dict[int, int]  # attempt -> WRITE chunks that completed (notices due)
     when: float
+
+
+def _release_only(claim: Claim) -> bool:
+    """Every registration of ``claim`` asks for nothing (the decoder request ended first)."""
+    return bool(claim.regs) and all(r.num_tokens <= r.first_token for r in claim.regs.values())
 
 
 class Producer:
@@ -394,6 +400,9 @@ class Producer:
                 self.released_tids.popitem(last=False)
             for rdv_key in self.rdv.keys_of(tid):
                 self._close(rdv_key)
+                # decoder requests that only let go (release-only registrations) and still wait
+                # for a prefill need nothing more: the router's release frees whatever comes
+                self.rdv.drop_waiting(rdv_key, _release_only)
 
     def _close(self, rdv_key: RdvKey) -> None:
         """Close ``rdv_key``'s sources (no more claims) and release those that are done;

@@ -346,6 +346,22 @@ class Rendezvous:
                 out.append(held.source)
         return out
 
+    def drop_waiting(self, rdv_key: RdvKey, drop: Callable[[Claim], bool]) -> list[Claim]:
+        """Remove ``rdv_key``'s claims still waiting for a source for which ``drop`` is true;
+        returns them."""
+        entry = self._entries.get(rdv_key)
+        if entry is None:
+            return []
+        out = []
+        for key, claim in list(entry.claims.items()):
+            if claim.source is None and drop(claim):
+                del entry.claims[key]
+                del self._claims[key]
+                out.append(claim)
+        if not entry.sources and not entry.claims:
+            self._drop_entry(rdv_key)
+        return out
+
     def retire(self, source_key: str) -> int:
         """``source_key`` takes no more claims and is done once no WRITE reads it, as if it had
         expired (a streamed prefill that failed: the claims it has are failed by the caller).

@@ -649,6 +649,21 @@ def test_a_release_only_registration_of_a_released_transfer_is_not_a_failure():
     assert b.got() == [] and b.released[-1] == "req-3"
 
 
+def test_a_release_only_registration_waiting_for_a_prefill_goes_with_the_routers_release():
+    """D let go of a request whose prefill P's engine never ran (the router aborted P's leg
+    first): its release-only registration waits for nothing once the router releases the
+    transfer -- it used to wait out the TTL and count as expired."""
+    b = Bench()
+    b.register(blocks=(), num_tokens=0)
+    b.register(tid="t2", reg="d-2")  # a real request of another transfer stays
+    assert b.producer.rdv.num_claims == 2
+    b.release()
+    assert b.producer.rdv.num_claims == 1 and b.got() == []
+    b.clock.advance(TTL + 1)
+    b.p.step()
+    assert b.p.count("expired") == 1  # only the other transfer's registration
+
+
 def test_a_registration_after_a_release_of_a_prefill_still_running_fails_at_once():
     """The Release may overtake the prefill (P's engine reports it a step later): the
     registration is failed at once, and the prefill is freed as soon as it is reported."""
