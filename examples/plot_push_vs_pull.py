@@ -281,7 +281,7 @@ def plot(fig_data: Figures, out: Path) -> None:
     fig.suptitle(fig_data.title, fontsize=9)
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")  # a one-panel figure clipped its title
     print(f"wrote {out}")
 
 

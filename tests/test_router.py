@@ -260,6 +260,25 @@ async def test_push_without_a_secret_warns_that_params_go_out_unsigned(monkeypat
     assert any("unsigned" in r.getMessage() for r in caplog.records)
 
 
+def test_upstream_push_with_a_secret_warns_that_nothing_will_be_transferred(monkeypatch, caplog):
+    from kv_push.common.router.app import build_app
+    from kv_push.common.router.config import parse_args
+
+    config, _ = parse_args(["--mode", "upstream-push", "--prefill",
+                            "http://127.0.0.1:1,kv=127.0.0.1:2,engine_id=e", "--decode",
+                            "http://127.0.0.1:3"])
+    monkeypatch.delenv("KV_PUSH_SECRET_FILE", raising=False)
+    monkeypatch.delenv("KV_PUSH_SECRET", raising=False)
+    with caplog.at_level("WARNING", logger="kv_push.router"):
+        build_app(config)
+    assert not any("upstream-push with a secret" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("KV_PUSH_SECRET", "s3cret")
+    with caplog.at_level("WARNING", logger="kv_push.router"):
+        build_app(config)
+    assert any("upstream-push with a secret" in r.getMessage() for r in caplog.records)
+    assert not any("s3cret" in r.getMessage() for r in caplog.records)
+
+
 async def test_push_late_prefill_failure_lets_decode_finish():
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes

@@ -521,6 +521,12 @@ class Router:
         if config.mode == "push" and not self.signer.enabled:
             logger.warning("no KV_PUSH_SECRET: kv_transfer_params go out unsigned (P and D with "
                            "a secret will serve such requests without KV transfer)")
+        if config.mode == "upstream-push" and self.signer.enabled:
+            logger.warning("--mode upstream-push with a secret: the upstream request form "
+                           "cannot be signed, so P and D running KVPushConnector with the secret "
+                           "serve every request without KV transfer (D computes the prompt; "
+                           "they count rejected{unsigned_upstream_transfer_params}); use --mode "
+                           "push with a secret, or no secret with this mode")
         # push mode: releases P's prefills of exchanges that end without D's output
         self.releaser = ReleaseSender(self.signer.codec(), config.release_timeout,
                                       self.metrics.releases, self.metrics.release_errors)
