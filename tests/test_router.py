@@ -1076,10 +1076,17 @@ def test_a_pair_that_works_again_is_not_marked_on_refusals_counted_before():
     compat = PairCompat()
     seen = lambda n: {"kv:1": (REFUSAL, float(n))}  # noqa: E731
     assert compat.judge("p", "kv:1", "d", seen(3)) is not None
-    compat.worked("p", "d")  # D's count is 6 by now; the router saw 3
-    assert compat.judge("p", "kv:1", "d", seen(6)) is None
+    assert compat.worked("p", "d")  # D's count is 6 by now; the router saw 3: read it
+    assert compat.judge("p", "kv:1", "d", seen(6)) is None  # no read yet: this look is it
     assert compat.incompatible == {}
     assert compat.judge("p", "kv:1", "d", seen(7)).reason == REFUSAL  # a new one counts
+    # with the read the router asks for, the first new refusal after the success counts
+    assert compat.worked("p", "d")
+    compat.rebase("p", "kv:1", "d", seen(9))
+    assert compat.judge("p", "kv:1", "d", seen(10)).reason == REFUSAL
+    # a pair with no refusals on record needs no read: its first refusal counts at once
+    assert not compat.worked("p2", "d")
+    assert compat.judge("p2", "kv:2", "d", {"kv:2": (REFUSAL, 1.0)}).reason == REFUSAL
 
 
 async def test_probe_finds_an_incompatible_pair_before_any_request():

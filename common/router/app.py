@@ -619,7 +619,19 @@ class Router:
         if not d.output:  # its stream opened with an error event: passed on, counted
             ex.outcome = "decode_error"
         elif self.config.mode == "push" and d.status_code < 400:
-            self.compat.worked(ex.p.backend.url, ex.d.backend.url)
+            p_url, d_url, spec = ex.p.backend.url, ex.d.backend.url, ex.p.backend.spec
+            if self.compat.worked(p_url, d_url) and spec is not None and spec.kv is not None:
+                self._rebase(p_url, spec.kv, d_url)
+
+    def _rebase(self, p_url: str, kv: str, d_url: str) -> None:
+        """A pair with refusals on record worked: read D's count now, in the background, so
+        a later refusal marks the pair at once (``compat``, module doc)."""
+        async def read() -> None:
+            self.compat.rebase(p_url, kv, d_url, await self._refusals(d_url))
+
+        task = asyncio.get_running_loop().create_task(read())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:

@@ -10,12 +10,13 @@ D dialled, i.e. the router's ``kv=`` of that P); the router reads D's ``/metrics
 fails and when ``/health?probe=true`` is asked, and so can tell the client and the operator why.
 
 A refusal counted before a later success of the same pair is history (one side was
-reconfigured): only refusals beyond D's count when the pair last worked mark it. The router
-does not know that count when the pair works -- it read D's count earlier, and D may have
-counted more refusals since (several for one failed request, or for requests the router did
-not look at) -- so the next look only takes D's count as the baseline (a failure between the
-success and that look is then left unexplained rather than wrongly explained: a pair that works
-again must not be reported incompatible on its old refusals).
+reconfigured): only refusals beyond D's count when the pair last worked mark it. When a pair
+with refusals on record works, the router does not know D's count at that moment -- it read it
+earlier, and D may have counted more since (several for one failed request, or for requests the
+router did not look at) -- so ``worked`` asks for a fresh read (``rebase``), and until then
+the next look only takes D's count as the baseline (a failure in between is left unexplained
+rather than wrongly explained: a pair that works again must not be reported incompatible on its
+old refusals). A pair with no refusals on record keeps the count of the last look.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class PairCompat:
         self.clock = clock
         self.incompatible: dict[tuple[str, str], Incompatibility] = {}
         self._found_at: dict[tuple[str, str], float] = {}  # when each was last found incompatible
+        self._seen: dict[tuple[str, str], float] = {}  # refusals counted when last judged
         # refusals counted at the pair's last success (None: unknown, the next look tells)
         self._cleared: dict[tuple[str, str], float | None] = {}
 
@@ -115,6 +117,7 @@ class PairCompat:
         first time it is (and again when the reason changes)."""
         pair = (prefill, decode)
         reason, count = refusals.get(kv, ("", 0.0))
+        self._seen[pair] = count
         cleared = self._cleared.get(pair, 0.0)
         if cleared is None:
             self._cleared[pair] = count
@@ -136,10 +139,25 @@ class PairCompat:
         return {d for (p, d) in self.incompatible
                 if p == prefill and now - self._found_at.get((p, d), -AVOID_S) < AVOID_S}
 
-    def worked(self, prefill: str, decode: str) -> None:
-        """A request through the pair succeeded: earlier refusals are history."""
+    def worked(self, prefill: str, decode: str) -> bool:
+        """A request through the pair succeeded: earlier refusals are history. True when the
+        pair has refusals on record: then D's count is wanted now (``rebase``)."""
         pair = (prefill, decode)
         self._found_at.pop(pair, None)
-        if self.incompatible.pop(pair, None) is not None:
+        was = self.incompatible.pop(pair, None) is not None
+        if was:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
-        self._cleared[pair] = None  # D's count now: the next look reads it
+        if was or self._seen.get(pair, 0.0) > 0 or self._cleared.get(pair, 0.0) is None:
+            self._cleared[pair] = None  # D's count now is unknown: rebase, or the next look
+            return True
+        self._cleared[pair] = self._seen.get(pair, 0.0)
+        return False
+
+    def rebase(self, prefill: str, kv: str, decode: str,
+               refusals: dict[str, tuple[str, float]]) -> None:
+        """D's refusals read right after the pair worked: its count is the baseline (unless
+        a look since then took one)."""
+        pair = (prefill, decode)
+        if refusals and self._cleared.get(pair, 0.0) is None:
+            count = refusals.get(kv, ("", 0.0))[1]
+            self._cleared[pair] = self._seen[pair] = count
