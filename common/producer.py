@@ -174,7 +174,7 @@ class _Answered:
 
 def _release_only(claim: Claim) -> bool:
     """Every registration of ``claim`` asks for nothing (the decoder request ended first)."""
-    return bool(claim.regs) and all(r.num_tokens <= r.first_token for r in claim.regs.values())
+    return bool(claim.regs) and all(r.release_only for r in claim.regs.values())
 
 
 class Producer:
@@ -444,7 +444,7 @@ class Producer:
         if msg.geometry_digest != peer.geometry_digest:
             self._tell_failed(reg, "layout changed since handshake; reconnect", 0)
             raise MessageRejected("bad_layout", f"stale geometry digest from {peer.engine_id}")
-        if reg.num_tokens <= reg.first_token and (
+        if reg.release_only and (
                 reg.request in self.tombstones or reg.transfer_id in self.released_tids):
             # a release-only registration (the decoder's request ended before it asked for
             # anything) of a transfer already let go: both sides agree, nothing to answer
@@ -544,7 +544,7 @@ class Producer:
             timing.stamp("p_pair", reg.transfer_id, key=src.key, reg=reg.request[1],
                          rank=reg.tp_rank)
         peer = self.ctx.peer(reg.peer)
-        if reg.num_tokens <= reg.first_token:  # release only: nothing is wanted, nothing to say
+        if reg.release_only:  # nothing is wanted, nothing to say
             self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
             self._resolve(reg)
             return

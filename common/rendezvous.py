@@ -90,6 +90,11 @@ class Registration:
     def request(self) -> RequestKey:
         return (self.engine_id, self.reg_id or self.transfer_id)
 
+    @property
+    def release_only(self) -> bool:
+        """It asks for nothing: the decoder request ended first and only lets the prefill go."""
+        return self.num_tokens <= self.first_token
+
 
 @dataclass(frozen=True)
 class Pairing:

@@ -373,15 +373,6 @@ def test_a_worker_connector_reports_early_only_with_one_kv_cache_group(monkeypat
     assert KVPushConnector(cfg, KVConnectorRole.WORKER, None)._worker.early_failures
 
 
-def test_early_failures_only_with_one_kv_cache_group():
-    # vLLM 0.32 raises (the engine dies) on block-level load errors with several groups
-    from kv_push.common import vllm_compat as compat
-
-    assert compat.kv_cache_groups(SimpleNamespace(kv_cache_groups=[object()])) == 1
-    assert compat.kv_cache_groups(SimpleNamespace(kv_cache_groups=[object(), object()])) == 2
-    assert compat.kv_cache_groups(None) == 1  # vLLM that passes no kv_cache_config
-
-
 def test_a_verdict_vllm_no_longer_waits_for_is_dropped():
     from kv_push.common.connector_scheduler import Expect, StepPlan
     from kv_push.common.decoder import Outcome

@@ -215,6 +215,18 @@ def test_accelerator_backends_announce_at_the_next_bind():
 
 # -- when the connector turns it on -------------------------------------------------------------
 
+#: (setting, vllm_config(**kw), on): "auto" only where vLLM runs one batch at a time with full
+#: attention (early announcement and layer-wise streaming alike)
+ONE_BATCH_CASES = [
+    ("auto", {}, True),
+    ("off", {}, False),
+    ("auto", {"async_scheduling": True}, False),
+    ("auto", {"pp": 2}, False),
+    ("auto", {"batches": 2}, False),
+    ("auto", {"window": 4096}, False),
+]
+
+
 def vllm_config(*, async_scheduling=False, pp=1, window=None, batches=None):
     cfg = SimpleNamespace(
         scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
@@ -225,14 +237,7 @@ def vllm_config(*, async_scheduling=False, pp=1, window=None, batches=None):
     return cfg
 
 
-@pytest.mark.parametrize("setting, kw, on", [
-    ("auto", {}, True),
-    ("off", {}, False),
-    ("auto", {"async_scheduling": True}, False),
-    ("auto", {"pp": 2}, False),
-    ("auto", {"batches": 2}, False),
-    ("auto", {"window": 4096}, False),
-])
+@pytest.mark.parametrize("setting, kw, on", ONE_BATCH_CASES)
 def test_auto_turns_it_on_only_for_one_batch_at_a_time_and_full_attention(setting, kw, on):
     pytest.importorskip("vllm")
     from kv_push.common.connector import _early_prefill_done
@@ -240,14 +245,7 @@ def test_auto_turns_it_on_only_for_one_batch_at_a_time_and_full_attention(settin
     assert _early_prefill_done(PushConfig(early_prefill_done=setting), vllm_config(**kw)) is on
 
 
-@pytest.mark.parametrize("setting, kw, on", [
-    ("auto", {}, True),
-    ("off", {}, False),
-    ("auto", {"async_scheduling": True}, False),
-    ("auto", {"pp": 2}, False),
-    ("auto", {"batches": 2}, False),
-    ("auto", {"window": 4096}, False),
-])
+@pytest.mark.parametrize("setting, kw, on", ONE_BATCH_CASES)
 def test_layerwise_streaming_needs_one_batch_at_a_time_too(setting, kw, on):
     """A stream reads a request's blocks while its step runs and WRITEs them at once: with a
     step planned before that output (async scheduling, PP) vLLM may preempt the request and

@@ -629,9 +629,7 @@ class Router:
         async def read() -> None:
             self.compat.rebase(p_url, kv, d_url, await self._refusals(d_url))
 
-        task = asyncio.get_running_loop().create_task(read())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.adopt(asyncio.get_running_loop().create_task(read()))
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:
@@ -652,7 +650,8 @@ class Router:
         self.releaser.release(spec.kv_host, spec.kv_port, ex.tid)
 
     def adopt(self, task: asyncio.Task) -> None:
-        """Keep a P leg that outlives its exchange until it ends (cancelled at shutdown)."""
+        """Keep a background task (a P leg that outlives its exchange, a refusal count read)
+        until it ends (cancelled at shutdown)."""
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
