@@ -23,6 +23,9 @@ single server, which stays up, found them in its prefix cache in every group aft
   ``off`` (at ``request_finished``, one engine step later), one D;
 * ``poll``: one P (``auto``), D polling every 0.2 ms while it awaits a WRITE
   (``await_poll_s`` default) against every 1 ms (``await_poll_s=0.001``: as before it existed);
+* ``idle``: one P, D waiting up to ``idle_step_wait_s`` (default) in an engine step that runs no
+  model for the WRITE's outcome, against not waiting (``0``: the outcome is reported at the next
+  step's look, as before the setting existed);
 * ``first``: one P and one D behind two routers, the client's first token taken from P's leg
   (the router's ``--first-token-from-prefill auto``) against from D's stream (``off``, the
   router's default).
@@ -100,6 +103,12 @@ GROUPS = {
              "d": {"d-await-0.2ms": {}, "d-await-1ms": {"await_poll_s": 0.001}},
              "systems": {"push await_poll_s=0.0002": ("p", "d-await-0.2ms"),
                          "push await_poll_s=0.001": ("p", "d-await-1ms")}},
+    # one P, D waiting in a step that runs no model for the WRITE's outcome (idle_step_wait_s
+    # default) against not waiting (0: reported at the next step's look, as before it existed)
+    "idle": {"p": {"p": {}},
+             "d": {"d-idle-wait": {}, "d-no-idle-wait": {"idle_step_wait_s": 0}},
+             "systems": {"push idle_step_wait_s=0.002": ("p", "d-idle-wait"),
+                         "push idle_step_wait_s=0": ("p", "d-no-idle-wait")}},
 }
 
 #: the stages of a push request in the order it meets them (common/timing.py)

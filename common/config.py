@@ -84,6 +84,12 @@ class PushConfig:
     #: how long it sleeps between polls while a decoder waits for a WRITE (a registered want):
     #: over UCX the WRITE into D and its notice progress only while D polls
     await_poll_s: float = 0.0002
+    #: how long a decoder worker waits, in an engine step that runs no model (every request
+    #: there waits for its KV), for a transfer's outcome before it returns to vLLM: an outcome
+    #: that comes meanwhile is reported in that step, not at the next step's look (vLLM steps
+    #: such an engine about once a millisecond). A new request or an abort that reaches the
+    #: engine meanwhile waits as long; 0: never wait
+    idle_step_wait_s: float = 0.002
     #: staged transfers (pack into a registered staging buffer, a few large WRITEs, unpack):
     #: "auto" uses them when both sides have a staging pool with room, else the region path
     #: (counted in ``staged_fallback{reason}``); "off" allocates no pool and never stages
@@ -124,6 +130,9 @@ class PushConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.quiet_after_s < 0:
             raise ConfigError(f"quiet_after_s must not be negative, got {self.quiet_after_s!r}")
+        if not 0 <= self.idle_step_wait_s <= 0.05:
+            raise ConfigError("idle_step_wait_s must be between 0 and 0.05 (it delays what "
+                              f"reaches an idle engine meanwhile), got {self.idle_step_wait_s!r}")
         if self.max_side_channel_connections < 1:
             raise ConfigError("max_side_channel_connections must be at least 1, got "
                               f"{self.max_side_channel_connections!r}")

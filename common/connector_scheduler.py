@@ -303,6 +303,10 @@ class StepPlan:
     #: producer requests whose prefill this step completes, to be packed layer by layer while
     #: the step runs (layer-wise streaming, see the module doc); found like ``completing``
     streaming: list[PrefillReady] = field(default_factory=list)
+    #: the step runs no model (no token scheduled: every request there waits for its KV, or
+    #: for its blocks to be freed); a decoder worker may wait in it for an outcome
+    #: (``idle_step_wait_s``)
+    idle: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.prefill_aborts or self.expects or self.cancels
@@ -563,6 +567,8 @@ class PushScheduler:
                 timing.stamp("d_scheduled", tid, key=rid)
                 self._stamp_at_output[rid] = ("d_first_step_done", tid)
         plan, self._plan = self._plan, StepPlan()
+        if scheduler_output is not None:
+            plan.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         return plan
 
     def _find_completing(self, out: Any) -> None:

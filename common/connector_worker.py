@@ -82,6 +82,7 @@ class PushConnectorWorker:
         self._tids: dict[str, str] = {}  # decoder key -> transfer id (timing lines only)
         self._layers: dict[str, int] = {}  # layer name -> its index in the registered geometry
         self._streaming = False  # this step streams prefills (layer-wise): report its layers
+        self._idle_step = False  # this step runs no model (``StepPlan.idle``)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         tensors, seen = [], set()
@@ -115,6 +116,7 @@ class PushConnectorWorker:
         # (accelerators; or a step whose wait_for_save did not come), and what was announced
         # at its save may be reported released from this step on
         pending, self._completing = self._completing, list(plan.completing)
+        self._idle_step = plan.idle
         if self._streaming and self.worker is not None:  # a step whose wait_for_save did not come
             self._streaming = False
             self.worker.step_saved()
@@ -204,6 +206,11 @@ class PushConnectorWorker:
         recving: set[str] = set()
         failed: set[str] = set()
         if w.decoder:
+            # in a step that runs no model, with KV awaited, an outcome that comes within
+            # idle_step_wait_s is reported now instead of at the next step's look
+            wait = self.config.idle_step_wait_s if self._idle_step and self._blocks else 0.0
+            self._idle_step = False  # this step's: a call without a bind before it never waits
+            w.await_outcomes(wait)
             for o in w.drain_outcomes():
                 if o.key.startswith(RELEASE_KEY_PREFIX):
                     continue

@@ -70,6 +70,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -190,6 +191,8 @@ class Decoder:
         self.outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         #: early ``failed`` verdicts of wants whose blocks stay fenced (module docstring)
         self.verdicts: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        #: set whenever an outcome or a verdict is put (``await_news``)
+        self.news = threading.Event()
         self.remotes: dict[Address, _Remote] = {}
         self.wants: dict[str, _Want] = {}  # engine key -> its current want
         self.by_reg: dict[tuple[str, int], _Want] = {}  # (reg_id, attempt) -> every want not done
@@ -586,7 +589,7 @@ class Decoder:
         self._send_cancels(want)
         self._check(want)
         if outcome == "failed" and want.state == "fencing" and want.emits and self.early_verdicts:
-            self.verdicts.put(Outcome(want.key, "failed", reason, want.attempt))
+            self._emit(self.verdicts, Outcome(want.key, "failed", reason, want.attempt))
 
     def _send_cancels(self, want: _Want) -> None:
         for rank, told in sorted(want.told.items()):
@@ -631,7 +634,7 @@ class Decoder:
             else:
                 del self.superseded[want.key]
                 if want.key in self.parked and want.key not in self.wants:
-                    self.outcomes.put(self.parked.pop(want.key)[1])
+                    self._emit(self.outcomes, self.parked.pop(want.key)[1])
             return
         if self.wants.get(want.key) is want:
             del self.wants[want.key]
@@ -641,7 +644,19 @@ class Decoder:
         if self.superseded.get(want.key):
             self.parked[want.key] = (want.attempt, out)  # older attempts' blocks may be written
         else:
-            self.outcomes.put(out)
+            self._emit(self.outcomes, out)
+
+    def _emit(self, results: queue.SimpleQueue, out: Outcome) -> None:
+        results.put(out)
+        self.news.set()
+
+    def await_news(self, timeout: float) -> bool:
+        """(engine thread) Wait up to ``timeout`` seconds until an outcome or a verdict has
+        been put since the last call; True if one has. Drain the queues after it: what comes
+        after the call is seen by the next one."""
+        got = self.news.wait(timeout) if timeout > 0 else self.news.is_set()
+        self.news.clear()
+        return got
 
     # -- role hooks ----------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -303,6 +303,11 @@ class PushWorker:
         decoder = self._need(self.decoder, "cancel")
         self.thread.submit(lambda: decoder.cancel(key, reason))
 
+    def await_outcomes(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for an outcome or a verdict put since the last call
+        (True if one was); then drain them."""
+        return self._need(self.decoder, "await_outcomes").await_news(timeout)
+
     def drain_outcomes(self) -> list[Outcome]:
         decoder = self._need(self.decoder, "drain_outcomes")
         return _drain(decoder.outcomes)

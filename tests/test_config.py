@@ -39,6 +39,7 @@ SETTABLE = {
     "await_poll_s": [("0.0001", 0.0001), (0.001, 0.001)],
     "quiet_poll_s": [("0.05", 0.05), (0.001, 0.001)],
     "quiet_after_s": [("0", 0.0), (2, 2.0)],
+    "idle_step_wait_s": [("0", 0.0), (0.001, 0.001), ("0.05", 0.05)],
     "max_post_bytes": [("1048576", 1 << 20), (4096, 4096)],
     "max_post_regions": [("16", 16), (1, 1)],
     "staged": [("auto", "auto"), ("off", "off")],
@@ -205,6 +206,9 @@ def test_unknown_key_is_named(key):
     ("quiet_poll_s", "-0.02"),
     ("quiet_after_s", -1),
     ("quiet_after_s", "soon"),
+    ("idle_step_wait_s", -0.001),
+    ("idle_step_wait_s", 0.5),
+    ("idle_step_wait_s", "later"),
 ], ids=repr)
 def test_bad_values_raise_config_error_naming_the_key(key, raw):
     with pytest.raises(ConfigError) as e:

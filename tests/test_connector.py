@@ -234,7 +234,12 @@ class StubWorker:
 
     def __init__(self):
         self.calls, self.outcomes, self.verdicts = [], [], []
+        self.waits: list[float] = []  # the timeout of each await_outcomes
         self.decoder = self
+
+    def await_outcomes(self, timeout):
+        self.waits.append(timeout)
+        return bool(self.outcomes or self.verdicts)
 
     def expect(self, *args, **kw):
         self.calls.append(("expect", args[0], kw))
@@ -300,6 +305,42 @@ def _decoder_half(**kw):
                              dtype="bfloat16", **kw)
     cw.worker = stub = StubWorker()
     return cw, stub
+
+
+def test_an_idle_step_waits_for_an_outcome_only_while_kv_is_awaited():
+    # idle_step_wait_s: in a step that runs no model, with KV awaited, the worker half waits
+    # for an outcome (reported in that step); never in a step that runs the model, never with
+    # nothing awaited, never in a call that no bind of its own step came before
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.decoder import Outcome
+
+    cw, stub = _decoder_half()
+    cw.config = PushConfig(backend="host", idle_step_wait_s=0.004)
+    cw.handle(StepPlan(idle=True))
+    cw.get_finished()
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32)]))  # runs a model
+    cw.get_finished()
+    cw.handle(StepPlan(idle=True))
+    cw.get_finished()
+    cw.get_finished()  # no bind since: not that step's
+    cw.handle(StepPlan(idle=True))
+    stub.outcomes = [Outcome("r1", "received")]
+    assert cw.get_finished() == (set(), {"r1"}, set())
+    cw.handle(StepPlan(idle=True))  # r1 reported: nothing awaited
+    cw.get_finished()
+    assert stub.waits == [0.0, 0.0, 0.004, 0.0, 0.004, 0.0]
+    cw.config = PushConfig(backend="host", idle_step_wait_s=0)
+    cw.handle(StepPlan(expects=[Expect("r2", "t2", 0, "h", 1, (3, 4), 0, 32)], idle=True))
+    cw.get_finished()
+    assert stub.waits[-1] == 0
+
+
+def test_the_scheduler_half_marks_a_step_that_runs_no_model():
+    s = decoder()
+    assert s.take_plan(SimpleNamespace(total_num_scheduled_tokens=0)).idle
+    assert not s.take_plan(SimpleNamespace(total_num_scheduled_tokens=3)).idle
+    assert not s.take_plan().idle
 
 
 @pytest.mark.parametrize("failed_recving", [False, True], ids=["load_errors", "failed_recving"])

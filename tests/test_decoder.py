@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import threading
+
 import pytest
 
 from kv_push.common import geometry as G
@@ -186,6 +188,26 @@ def test_expect_handshakes_registers_and_reports_received():
     b.expect("req-2", "t2", blocks=(4, 5))
     assert len(b.handshakes) == 1
     assert b.got() == [b.registration("t2", blocks=(4, 5), reg="req-2")]
+
+
+def test_the_engine_is_told_of_an_outcome_or_verdict_as_it_is_put():
+    # await_news: what an idle engine step waits on (connector_worker, idle_step_wait_s)
+    b = Bench()
+    assert b.decoder.await_news(0) is False
+    b.expect()
+    assert b.decoder.await_news(0) is False  # registered: nothing for the engine yet
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(b.decoder.await_news(30)))
+    waiter.start()
+    b.write_done()  # the transfer thread puts the outcome: the waiter returns with it
+    waiter.join(30)
+    assert woke == [True]
+    assert b.outcomes() == [Outcome("req-1", "received")]
+    assert b.decoder.await_news(0) is False  # each put is news once
+    b.expect("req-2", "t2", blocks=(4, 5))
+    b.cancel("req-2")
+    b.ack(tid="t2", reg="req-2")
+    assert b.decoder.await_news(0) is True and [o.key for o in b.outcomes()] == ["req-2"]
 
 
 def test_nothing_to_transfer_is_received_once_registered():
