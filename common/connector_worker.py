@@ -23,6 +23,12 @@ the transfer thread finished:
   (as for a client's abort). So its client gets the error (``fail``) without waiting out the
   fence; with ``recompute`` the request waits for the fence as before. vLLM takes block-level
   errors only with one KV cache group (``early_failures``).
+
+In a step that runs no model (``StepPlan.idle``: every request there waits for its KV) while KV
+is awaited, ``get_finished`` first waits up to ``idle_step_wait_s`` for an outcome: vLLM steps
+such an engine about once a millisecond (a look, then a 1 ms sleep), and an outcome that comes
+during the wait is reported in that step instead of at the next look. The engine is blocked
+meanwhile; it runs no model, so only a request or an abort that reaches it then waits as long.
 """
 
 from __future__ import annotations

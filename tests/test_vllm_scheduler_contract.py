@@ -6,7 +6,9 @@ producer can land in those blocks (``common/connector_worker.py``). That is safe
 told of the failure, never frees or reuses the blocks before ``finished_recving`` -- and useful
 only if, with ``kv_load_failure_policy=fail``, it ends the request (answers its client) at once.
 ``tests/vllm_scheduler_probe.py`` drives each tested vLLM version's real scheduler through the
-cases; this checks its answers. A vLLM that changes this breaks here, not in production.
+cases; this checks its answers. A vLLM that changes this breaks here, not in production. It
+also checks that a step in which every request waits for its KV schedules no token: the
+decoder's worker waits for an outcome only in such a step (``idle_step_wait_s``).
 """
 
 from __future__ import annotations
@@ -74,3 +76,15 @@ def test_a_report_after_the_clients_abort_changes_nothing(answers, policy):
     assert a["after_finished_recving"] is None
     # B's blocks came back only now
     assert a["free_after_finished_recving"] - a["free_before_finished_recving"] == len(a["pushed"])
+
+
+def test_a_step_where_every_request_waits_for_its_kv_schedules_no_token(answers):
+    # StepPlan.idle (connector_scheduler) is total_num_scheduled_tokens == 0: in such a step
+    # the decoder's worker may wait for an outcome (idle_step_wait_s); never in one that runs
+    # a model
+    a = answers["idle"]
+    assert [tuple(x) for x in a["alone"]] == [("WAITING_FOR_REMOTE_KVS", 0)] * 2
+    b, c, tokens = a["with_c_running"]
+    assert (b, c) == ("WAITING_FOR_REMOTE_KVS", "RUNNING") and tokens > 0
+    state, tokens = a["b_after_finished_recving"]
+    assert state == "RUNNING" and tokens > 0

@@ -17,6 +17,9 @@ Scenarios (each under ``kv_load_failure_policy`` fail and recompute):
   TP rank, a later step); then ``finished_recving`` names B.
 * ``abort_first`` -- the client aborts B before the report; the report comes anyway (the
   engine's worker did not know yet), then ``finished_recving``.
+* ``idle`` -- the tokens each step schedules while B waits for remote KV alone (none: the step
+  runs no model, where the decoder's worker may wait for an outcome, ``idle_step_wait_s``),
+  with another request running, and once B's KV is reported.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class Run:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         so = self.s.schedule()
+        self.scheduled_tokens = so.total_num_scheduled_tokens  # 0: a step that runs no model
         ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=[[7] for _ in ids])
@@ -207,6 +211,25 @@ def abort_first(model: str, policy: str) -> dict:
     return got
 
 
+def idle(model: str, policy: str) -> dict:
+    """Scheduled tokens per step while B waits for remote KV alone, then with C running, then
+    after B's ``finished_recving`` (the decoder's idle-step wait keys on the first being 0)."""
+    r = Run(model, policy)
+    r.add("B", list(range(300, 340)), remote=True)
+    got: dict = {"alone": []}
+    for _ in range(2):
+        r.step()
+        got["alone"].append((r.state("B"), r.scheduled_tokens))
+    r.add("C", list(range(500, 520)))
+    r.step()
+    r.step()
+    got["with_c_running"] = (r.state("B"), r.state("C"), r.scheduled_tokens)
+    r.step(finished_recving={"B"})
+    r.step()
+    got["b_after_finished_recving"] = (r.state("B"), r.scheduled_tokens)
+    return got
+
+
 def main() -> None:
     logging.disable(logging.WARNING)
     sys.path.insert(0, __file__.rsplit("/", 1)[0])  # vLLM imports the connector by module name
@@ -221,6 +244,7 @@ def main() -> None:
     for policy in ("fail", "recompute"):
         out[f"early/{policy}"] = probe.early(model, policy)
         out[f"abort_first/{policy}"] = probe.abort_first(model, policy)
+    out["idle"] = probe.idle(model, "fail")
     print(json.dumps(out))
 
 
