@@ -27,12 +27,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import vllm_compat as compat
-from .config import PushConfig
+from .config import ConfigError, PushConfig
 from .connector_scheduler import PushScheduler, StepPlan, upstream_reply
 from .connector_stats import KVPushPromMetrics, KVPushStats
+from .logging_setup import follow_vllm_logging
 from .metrics import Counters
 
 logger = logging.getLogger(__name__)
+follow_vllm_logging()  # in each vLLM process that loads the connector
 
 
 def _step_safe(vllm_config: Any) -> str:
@@ -97,6 +99,12 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         if self.kv_role is None:
             raise ValueError(f"KVPushConnector needs kv_role kv_producer, kv_consumer or "
                              f"kv_both, got {ktc.kv_role!r}")
+        if self.kv_role != "decoder" and self.push_config.side_channel_port == 0:
+            # port 0 would listen on a port nobody is told: decoders and the router's kv=
+            # must name it
+            raise ConfigError("side_channel_port 0 (any free port) cannot be used by a "
+                              "producer in vLLM: decoders and the router's kv= must know the "
+                              "port; set one (default 5600)")
         block_size = vllm_config.cache_config.block_size
         self._scheduler: PushScheduler | None = None
         self._worker = None

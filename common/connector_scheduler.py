@@ -388,6 +388,19 @@ class PushScheduler:
                 logger.warning("kv_push: request %s: kv_transfer_params refused (%s: %s); "
                                "serving it without KV transfer", rid, e.reason, e)
             params = None
+        if params is not None and ((params.do_remote_prefill and not self.is_decoder)
+                                   or (params.do_remote_decode and not self.is_producer)):
+            # a router that sends the legs to the wrong servers (--prefill / --decode swapped):
+            # served, but visibly
+            leg = "decode (do_remote_prefill)" if params.do_remote_prefill \
+                else "prefill (do_remote_decode)"
+            self.counters.inc("rejected", label="wrong_role")
+            self._log.warn("wrong_role", "kv_push: request %s is a %s leg, but this server's "
+                           "kv_role is %s: served without KV transfer (counted in "
+                           "rejected{wrong_role}; are the router's prefill and decode servers "
+                           "swapped?)", rid, leg,
+                           "kv_producer" if self.is_producer else "kv_consumer")
+            params = None
         self._verdicts[rid] = params
         if timing.ENABLED and params is not None:
             timing.stamp("d_sched" if params.do_remote_prefill else "p_sched",

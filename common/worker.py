@@ -19,6 +19,10 @@ allocated (else ``BackendError``); a default-sized one that cannot be is skipped
 A backend that does not stage at all (no ``alloc_staging``; Neuron today) is logged once per
 worker with its ``staging_unsupported`` reason, which names where that is explained.
 
+When the vLLM server the worker belongs to is gone (its API process killed alone: vLLM leaves
+the engine and its workers running), the worker closes itself (``server_watch``): its peers see
+it go, and its side-channel port is free for a server started in its place.
+
 ``describe()`` tells what the worker holds in detail (for diagnosing a leak); with
 ``KV_PUSH_STATE_LOG_S=N`` in the environment a worker logs it every N seconds while it holds
 anything (the end-to-end suite sets it, and prints those lines when a server is left busy).
@@ -41,6 +45,7 @@ from .messages import Release, ReleaseAck
 from .metrics import Counters
 from .producer import Producer
 from .staged import StagedReceiver, StagedSender, StagingMemory, staging_unavailable
+from .server_watch import ServerWatch
 from .side_channel import SideChannelServer
 from .transfer_thread import TransferThread
 from .transport import NixlTransport, Transport
@@ -50,6 +55,8 @@ logger = logging.getLogger(__name__)
 #: environment variable: seconds between state logs (``describe``) while a worker holds
 #: anything; unset or 0: never
 STATE_LOG_ENV = "KV_PUSH_STATE_LOG_S"
+#: seconds between looks at whether this worker's vLLM server is still there (``server_watch``)
+SERVER_WATCH_S = 1.0
 
 
 class PushWorker:
@@ -199,7 +206,25 @@ class PushWorker:
             self._state_log = threading.Thread(target=self._log_state, args=(every,),
                                                name="kv-push-state-log", daemon=True)
             self._state_log.start()
+        watch = ServerWatch()
+        if watch.watching:
+            threading.Thread(target=self._watch_server, args=(watch,), name="kv-push-watch",
+                             daemon=True).start()
         return self
+
+    def _watch_server(self, watch: ServerWatch, every: float = SERVER_WATCH_S) -> None:
+        """Close this worker once the vLLM server it belongs to is gone (``server_watch``): its
+        peers see it go at once (goodbyes, closed lifelines) and its side-channel port is free
+        for a server started in its place."""
+        while not self._stop.wait(every):
+            why = watch.gone()
+            if why is not None:
+                logger.error("kv_push: rank %d: the vLLM server of this engine is gone: %s. "
+                             "Closing this worker (its peers see it go; its side channel is "
+                             "freed). Stop a vLLM server by its process group so that its "
+                             "engine goes too", self.geometry.tp_rank, why)
+                self.close()
+                return
 
     def _log_state(self, every: float) -> None:
         while not self._stop.wait(every):

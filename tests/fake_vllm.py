@@ -213,6 +213,8 @@ class FakeVLLM:
                 or self.behavior.no_kv_params:
             return None
         prefix = "chatcmpl" if chat else "cmpl"
+        if "transfer_id" in rec.kv:  # our form: P holds the prefill under the router's id
+            return {"transfer_id": rec.kv["transfer_id"]}
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [[1, 2, 3]], "remote_engine_id": self.engine_id,
                 "remote_request_id": f"{prefix}-{rec.request_id}-0-abcdef12",

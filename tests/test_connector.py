@@ -69,6 +69,33 @@ def test_malformed_params_serve_locally_and_are_counted():
     assert counters.get("rejected", label="bad_transfer_params") == 1
 
 
+def test_a_leg_for_the_other_role_is_served_locally_counted_and_logged(caplog):
+    # a router with its prefill and decode servers swapped: every request is served, without
+    # KV transfer, and each server says so (a walkthrough saw it pass unnoticed)
+    from kv_push.common.metrics import Counters
+
+    cd, cp = Counters(), Counters()
+    d = PushScheduler(is_producer=False, is_decoder=True, block_size=BS, counters=cd)
+    p = PushScheduler(is_producer=True, is_decoder=False, block_size=BS, counters=cp)
+    with caplog.at_level("WARNING", logger="kv_push"):
+        assert d.get_num_new_matched_tokens(req("r1", P_PARAMS), 0) == (0, False)
+        assert d.request_finished(req("r1", P_PARAMS), [1, 2], finished_ok=True) == (False, None)
+        assert p.get_num_new_matched_tokens(req("r2", D_PARAMS), 0) == (0, False)
+        assert p.request_finished(req("r2", D_PARAMS), [1, 2], finished_ok=True) == (False, None)
+        assert p.get_num_new_matched_tokens(req("r3", D_PARAMS), 0) == (0, False)
+    assert not d.take_plan() and not p.take_plan()
+    assert cd.get("rejected", label="wrong_role") == 1
+    assert cp.get("rejected", label="wrong_role") == 2
+    msgs = [r.getMessage() for r in caplog.records if "wrong_role" in r.getMessage()]
+    assert len(msgs) == 2, msgs  # once per server: the rest at DEBUG
+    assert "r1 is a prefill (do_remote_decode) leg" in msgs[0] and "kv_consumer" in msgs[0]
+    assert "r2 is a decode (do_remote_prefill) leg" in msgs[1] and "kv_producer" in msgs[1]
+    # a server with both roles takes either leg
+    both = PushScheduler(is_producer=True, is_decoder=True, block_size=BS, counters=Counters())
+    assert both.get_num_new_matched_tokens(req("r4", D_PARAMS), 0) == (100, True)
+    assert both.counters.get("rejected", label="wrong_role") == 0
+
+
 def test_decoder_claims_the_prompt_then_registers_its_new_blocks():
     s = decoder()
     r = req("r1", dict(D_PARAMS), prompt_len=100)
@@ -494,6 +521,13 @@ def test_connector_rejects_bad_extra_config_at_start_up():
         KVPushConnector(config({"heartbeat_interval_s": -1}), KVConnectorRole.SCHEDULER, None)
     with pytest.raises(ValueError, match="kv_role"):
         KVPushConnector(config({}, role="kv_bogus"), KVConnectorRole.SCHEDULER, None)
+    for role in ("kv_producer", "kv_both"):  # a port nobody could be told
+        with pytest.raises(ConfigError, match="side_channel_port 0"):
+            KVPushConnector(config({"side_channel_port": 0}, role=role),
+                            KVConnectorRole.SCHEDULER, None)
+    c = KVPushConnector(config({"side_channel_port": 0}, role="kv_consumer"),
+                        KVConnectorRole.SCHEDULER, None)  # a decoder listens on none
+    assert c.push_config.side_channel_port == 0
 
 
 def test_plugin_registers_the_connector_by_name_once():

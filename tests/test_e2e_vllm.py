@@ -117,6 +117,13 @@ def test_outputs_identical_to_single_server(stack, prompts):
     # P announced them when their prefill step ran, not a step later (early_prefill_done=auto:
     # vLLM's CPU build runs one batch at a time)
     assert metric(stack["p"].url, "vllm:kv_push_prefills_announced_early_total") >= NUM_PROMPTS
+    # the connector's start-up INFO lines reach the server's log, in vLLM's format (they were
+    # dropped: the kv_push loggers had no handler inside vLLM; common/logging_setup.py)
+    for server, role in ((stack["p"], "producer"), (stack["d"], "decoder")):
+        ready = [line for line in server.log_text().splitlines()
+                 if f"kv_push: {role} rank 0/1 ready" in line]
+        assert ready and "INFO" in ready[0] and "connector_worker.py" in ready[0], (
+            server.tail(20))
 
 
 def test_prefix_cache_hit_on_decoder_writes_only_the_tail(stack, prompts):

@@ -491,6 +491,40 @@ async def test_a_decode_failure_with_ps_side_channel_unreachable_says_so(endpoin
         assert m[("kv_push_router_upstream_errors_total",
                   (("kind", "kv_unreachable"), ("leg", "decode")))] == 1
         await eventually(lambda: all_idle(c), "router to be idle")
+        # plain /health says so (a walkthrough saw "ok" while every request failed so): its
+        # only P cannot be transferred from
+        h = await c.client.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "degraded"
+        (entry,) = h.json()["prefill"]
+        assert "Connection refused" in entry["kv_unreachable"]
+        # until a request through it works
+        d.behavior.stream_error, d.behavior.fail_status = False, None
+        status, _, _ = await post(c, "/v1/completions", COMPLETION)
+        assert status == 200
+        h = await c.client.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok"
+        assert "kv_unreachable" not in h.json()["prefill"][0]
+
+
+async def test_a_prefill_server_that_does_not_hold_prefills_is_said_counted_and_shown():
+    # a server that is no kv-push producer (or --prefill and --decode swapped): its answers
+    # carry no transfer id, D computes every prompt itself
+    async with cluster() as c:
+        (p,) = c.prefills
+        p.behavior.no_kv_params = True
+        for _ in range(3):
+            status, _, _ = await post(c, "/v1/completions", COMPLETION)
+            assert status == 200  # served
+        m = await c.metrics()
+        url = c.router.prefill_pool.backends[0].url
+        assert m[("kv_push_router_prefill_not_held_total", (("backend", url),))] == 3
+        h = await c.client.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "degraded"
+        assert "do not hold prefills" in h.json()["prefill"][0]["not_held"]
+        p.behavior.no_kv_params = False  # its next answer holds: shown no more
+        status, _, _ = await post(c, "/v1/completions", COMPLETION)
+        h = await c.client.get("/health")
+        assert h.json()["status"] == "ok" and "not_held" not in h.json()["prefill"][0]
 
 
 async def test_a_release_reaches_every_rank_of_a_tensor_parallel_prefill():
@@ -1123,6 +1157,9 @@ def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
                          "--mode", "pull", "--timeout", "30"])
     assert cfg.mode == "pull" and cfg.timeout == 30 and cfg.port == 8000
     assert cfg.release_timeout == 5.0
+    assert cfg.keepalive == 4.0  # under vLLM's own HTTP keep-alive (5 s)
+    assert parse_args(["--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2",
+                       "--keepalive", "2.5"])[0].keepalive == 2.5
     assert cfg.host == "127.0.0.1" and cfg.decode == ("http://d:8200",)
     assert [(s.url, s.kv_host, s.kv_port) for s in cfg.prefill] == [
         ("http://p:8100", "10.0.0.1", 5600), ("http://q:8100", "::1", 5601)]
@@ -1139,6 +1176,8 @@ def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
         ("--prefill", "http://p:1,kv=h:2", "--decode", "http://p:1"): "more than once",
         ("--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2", "--release-timeout", "0"):
             "--release-timeout",
+        ("--prefill", "http://p:1,kv=h:2", "--decode", "http://d:2", "--keepalive", "0"):
+            "--keepalive",
     }
     for argv, needle in bad.items():
         with pytest.raises(SystemExit) as exc_info:
@@ -1227,13 +1266,20 @@ async def test_a_dead_decode_server_is_left_out_and_its_legs_go_to_another():
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
-async def test_health_is_503_while_every_decode_server_is_left_out():
+async def test_health_is_503_while_every_decode_server_is_left_out(caplog):
     """A readiness check on plain /health must not keep sending traffic to a router that can
     serve nothing (its only D cannot be connected to)."""
     async with cluster(dead_decodes=1, n_d=0) as c:
         assert (await c.client.get("/health")).status_code == 200  # not known to be down yet
-        r = await c.client.post("/v1/completions", json=COMPLETION)
-        assert r.status_code == 502, r.text
+        with caplog.at_level("WARNING", logger="kv_push.router"):
+            for _ in range(3):
+                r = await c.client.post("/v1/completions", json=COMPLETION)
+                assert r.status_code == 502, r.text
+        # each request tries the only D: said once a minute, not twice per request (a
+        # walkthrough counted 449 such lines in a few minutes)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert sum("cannot be connected to" in m for m in said) == 1, said
+        assert sum("decode leg failed (connect)" in m for m in said) == 1, said
         h = await c.client.get("/health")
         assert h.status_code == 503 and h.json()["decode"][0]["down_for_s"] > 0, h.json()
         await eventually(lambda: all_idle(c), "router to be idle")

@@ -200,8 +200,60 @@ async def test_a_client_hanging_up_after_the_first_token_cancels_d():
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+@pytest.mark.parametrize("endpoint,base,chat", [("/v1/completions", COMPLETION, False),
+                                                ("/v1/chat/completions", CHAT, True)])
+@pytest.mark.parametrize("first", ["", "\ufffd", "a\ufffd\x1eb"], ids=["held_back",
+                                                                        "replacement", "mixed"])
+async def test_a_first_token_with_empty_or_invalid_text_comes_from_p_as_vllm_streams_it(
+        endpoint, base, chat, first):
+    # vLLM streams a token whose bytes the detokenizer holds back as an event with empty text,
+    # and invalid bytes as replacement characters; P's one-token answer has the same text as
+    # a longer stream's first event (module doc). The client gets P's event, then D's stream
+    # without D's copy: the events and text a single server streams
+    tokens = [first, "\u00e9t\u00e9", " world", "!", " How"]
+    body = dict(base, **GREEDY)
+    body.pop("max_completion_tokens", None)
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, tokens)
+        c.decodes[0].behavior.delay = 0.6  # D's first token comes long after P's
+        t0 = time.monotonic()
+        first_at, data = None, b""
+        async with c.client.stream("POST", endpoint, json=body) as r:
+            assert r.status_code == 200
+            async for chunk in r.aiter_bytes():
+                data += chunk
+                if first_at is None and any(isinstance(e, dict) and e.get("choices") and (
+                        not chat or "content" in e["choices"][0]["delta"])
+                        for e in events(data)):
+                    first_at = time.monotonic() - t0
+        evs = events(data)
+        assert first_at is not None and first_at < 0.5  # P's event, before D answered
+        assert text_of(evs, chat) == "".join(tokens)
+        token_events = [e for e in evs if isinstance(e, dict) and e.get("choices") and (
+            not chat or not e["choices"][0]["delta"].get("role"))]
+        assert len(token_events) == len(tokens)  # one per token, as a single server streams
+        assert _choice(token_events[0], chat) == first
+        assert await metric(c, "prefill") == 1 and await metric(c, "mismatch") == 0
+
+
+def _choice(event: dict, chat: bool) -> str:
+    c = event["choices"][0]
+    return (c.get("delta") or {}).get("content", "") if chat else c.get("text", "")
+
+
+async def test_an_empty_first_token_on_p_with_text_on_d_passes_ds_text_on():
+    # nothing of P's to check D's token against, and nothing of P's in the client's text: the
+    # client reads D's text (one event more than a single server: P's empty one)
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, [""] + TOKENS[1:5])
+        c.decodes[0].behavior.tokens = TOKENS[:5]
+        c.decodes[0].behavior.delay = 0.3
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert status == 200 and text_of(events(data), False) == "".join(TOKENS[:5])
+        assert await metric(c, "prefill") == 1 and await metric(c, "mismatch") == 0
+
+
 @pytest.mark.parametrize("tokens,eos,reason", [
-    (["\ufffd"] + TOKENS[1:], None, "partial_character"),
     (TOKENS, 0, "prefill_stopped"),
 ])
 async def test_a_first_token_that_cannot_be_checked_is_left_to_d(tokens, eos, reason):

@@ -49,6 +49,7 @@ from prometheus_client import generate_latest
 
 from kv_push.common import timing
 from kv_push.common.auth import SecretError, TransferParamsSigner
+from kv_push.common.metrics import LogLimiter
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.first_token import (
@@ -118,6 +119,10 @@ class Metrics:
         self.release_errors = Counter(
             p + "release_errors", "Releases that did not reach a P rank, by kind (connect, "
             "timeout, refused, bad_reply, internal)", ["kind"], registry=r)
+        self.prefill_not_held = Counter(
+            p + "prefill_not_held", "push: P answers that did not hold the prefill for a KV "
+            "transfer (no kv_transfer_params.transfer_id): D computed the prompt itself",
+            ["backend"], registry=r)
 
 
 def _error_response(status: int, message: str, kind: str, tid: str | None = None
@@ -515,6 +520,7 @@ class Router:
         self.legs: aiohttp.ClientSession | None = None  # the P and D legs (LegResponse)
         self._background: set[asyncio.Task] = set()
         self.compat = PairCompat()
+        self._log = LogLimiter(logger)  # warnings that may repeat with every request
         # push mode: signs both legs' kv_transfer_params with KV_PUSH_SECRET (or the file named
         # by KV_PUSH_SECRET_FILE); P and D with the secret act on signed params only
         self.signer = TransferParamsSigner.from_env()
@@ -550,8 +556,13 @@ class Router:
         # `clients`, aiohttp with and without trust_env). Each backend's proxy is looked up once
         # instead (leg_proxy), as httpx reads the environment once per client; ~/.netrc is not
         # read (proxy credentials go in the proxy's URL; docs/router.md)
+        # keepalive_timeout (--keepalive): an idle pooled connection is closed here before the
+        # server closes it (vLLM's uvicorn after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default;
+        # aiohttp's own default is 15 s), so a leg is not sent on a connection the server is
+        # closing at that moment (a walkthrough saw one such leg fail with a connection reset)
         self.legs = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0),
+            connector=aiohttp.TCPConnector(limit=c.max_connections, limit_per_host=0,
+                                           keepalive_timeout=c.keepalive),
             timeout=aiohttp.ClientTimeout(total=None, connect=c.timeout,
                                           sock_connect=c.connect_timeout, sock_read=c.timeout),
             skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
@@ -598,10 +609,13 @@ class Router:
             kind, status, msg = "transport", 502, f"{server} failed ({type(exc).__name__})"
         self.metrics.upstream_errors.labels(leg=leg, kind=kind).inc()
         err = UpstreamError(leg, kind, status, msg, body=body)
-        logger.log(logging.INFO if err.rejected else logging.WARNING,
-                   "tid=%s %s leg %s (%s): %s backend %s: %s", ex.tid if ex else "-", leg,
-                   "rejected the request" if err.rejected else "failed", kind, leg, url,
-                   msg if response else repr(exc))
+        args = ("tid=%s %s leg %s (%s): %s backend %s: %s", ex.tid if ex else "-", leg,
+                "rejected the request" if err.rejected else "failed", kind, leg, url,
+                msg if response else repr(exc))
+        if kind == "connect":  # one per request while a backend is down: once a minute
+            self._log.warn(f"{leg} connect {url}", *args)
+        else:
+            logger.log(logging.INFO if err.rejected else logging.WARNING, *args)
         return err
 
     def first_token_off(self, endpoint: str, body: dict) -> str | None:
@@ -619,6 +633,7 @@ class Router:
         if not d.output:  # its stream opened with an error event: passed on, counted
             ex.outcome = "decode_error"
         elif self.config.mode == "push" and d.status_code < 400:
+            ex.p.backend.kv_unreachable = None
             p_url, d_url, spec = ex.p.backend.url, ex.d.backend.url, ex.p.backend.spec
             if self.compat.worked(p_url, d_url) and spec is not None and spec.kv is not None:
                 self._rebase(p_url, spec.kv, d_url)
@@ -674,8 +689,11 @@ class Router:
         except CONNECT_ERRORS:
             wait = backend.unreachable(time.monotonic())
             self.metrics.ejections.labels(role=backend.role).inc()
-            logger.warning("%s %s cannot be connected to (%d in a row): left out of selection "
-                           "for %.0fs", backend.role, backend.url, backend.connect_failures, wait)
+            # once a minute while it lasts (the rest at DEBUG): a backend that is down is
+            # tried by every request while no other of its role is up
+            self._log.warn(f"unreachable {backend.url}", "%s %s cannot be connected to (%d in "
+                           "a row): left out of selection for %.0fs", backend.role,
+                           backend.url, backend.connect_failures, wait)
             raise
         if backend.reachable():
             logger.info("%s %s can be connected to again", backend.role, backend.url)
@@ -702,6 +720,8 @@ class Router:
                     raise ValueError("response is not a JSON object")
             except (*LEG_ERRORS, ValueError) as exc:
                 raise self.failure(ex, "prefill", url, exc) from None
+            if self.config.mode == "push":
+                self._check_held(ex, data)
             if self.config.mode == "upstream-push":
                 self._learn_peer(url, data.get("kv_transfer_params"))
             return data
@@ -809,6 +829,7 @@ class Router:
         assert spec.kv_host is not None and spec.kv_port is not None
         problem = await probe_side_channel(spec.kv_host, spec.kv_port, self.releaser.codec,
                                            self.config.health_probe_timeout)
+        ex.p.backend.kv_unreachable = problem  # shown by /health until it answers again
         if problem is not None:
             self.metrics.upstream_errors.labels(leg="decode", kind="kv_unreachable").inc()
             logger.warning("tid=%s decode leg failed; prefill %s: %s (its kv= on this router?)",
@@ -819,6 +840,27 @@ class Router:
                 "the decode server could not load the prompt's KV, and the prefill server's KV "
                 "side channel, at the address this router gives decoders for it (kv=), does not "
                 f"answer: {without_addresses(cause)}", "kv_side_channel_unreachable")
+
+    def _check_held(self, ex: Exchange, data: dict) -> None:
+        """(push) A kv-push producer answers a P leg whose prefill it holds for D with the
+        leg's transfer id; an answer without it means D gets no KV and computes the prompt
+        itself. Said (at most once a minute per backend), counted, and shown by ``/health``
+        until the backend's next answer holds again."""
+        backend = ex.p.backend
+        params = data.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("transfer_id") == ex.tid:
+            backend.not_held = None
+            return
+        backend.not_held = ("its answers do not hold prefills for a KV transfer (no "
+                            "kv_transfer_params.transfer_id): decode servers compute prompts "
+                            "themselves")
+        self.metrics.prefill_not_held.labels(backend=backend.url).inc()
+        self._log.warn(f"not_held {backend.url}",
+                       "prefill server %s answered transfer %s without holding its prefill "
+                       "for a KV transfer: D computes the prompt itself. Is it a kv-push "
+                       "producer (KVPushConnector, kv_role kv_producer)? Are --prefill and "
+                       "--decode swapped? Its vllm:kv_push_rejected counter names the reason",
+                       backend.url, ex.tid)
 
     def _learn_peer(self, url: str, params: Any) -> None:
         """Remember (or refresh) an upstream-push P's engine id and sizes from its response."""
@@ -1018,6 +1060,8 @@ class Router:
         async def check_all(b: Backend) -> str | None:
             problem = await check(b.url)
             kv_problem = await check_kv(b) if b.role == "prefill" else None
+            if b.role == "prefill" and self.config.mode == "push":
+                b.kv_unreachable = kv_problem
             return "; ".join(p for p in (problem, kv_problem) if p) or None
 
         backends = self.prefill_pool.backends + self.decode_pool.backends
@@ -1038,8 +1082,14 @@ class Router:
         role_down = any(all(not b.up(now) for b in pool.backends)
                         for pool in (self.prefill_pool, self.decode_pool))
         unusable = any(problems) or len(incompatible) == pairs or role_down
+        not_held = any(b.not_held for b in self.prefill_pool.backends)
+        # every P's side channel failed the router's dial after a request D failed: nothing can
+        # be transferred (a wrong kv= on every --prefill, P's side channel down)
+        kv_down = all(b.kv_unreachable for b in self.prefill_pool.backends)
+        unusable = unusable or kv_down
         info: dict[str, Any] = {
-            "status": "degraded" if any(problems) or incompatible or down else "ok",
+            "status": "degraded" if any(problems) or incompatible or down or not_held
+            or any(b.kv_unreachable for b in self.prefill_pool.backends) else "ok",
             "mode": self.config.mode, "prefill": [], "decode": [], "incompatible": incompatible}
         for i, b in enumerate(backends):
             entry: dict[str, Any] = {"url": b.url, "outstanding": b.outstanding}
@@ -1048,6 +1098,10 @@ class Router:
                              connect_failures=b.connect_failures)
             if b.spec is not None:
                 entry["kv"] = b.spec.kv
+            if b.not_held:
+                entry["not_held"] = b.not_held
+            if b.kv_unreachable:
+                entry["kv_unreachable"] = b.kv_unreachable
             if probe:
                 entry.update(healthy=problems[i] is None, error=problems[i])
             info[b.role].append(entry)

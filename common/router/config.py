@@ -116,6 +116,10 @@ class RouterConfig:
     #: without its copy of it (``first_token``): "auto" where it is provably the same token
     #: (greedy, one choice, ...), "off" never (the default: opt in, docs/router.md says why)
     first_token_from_prefill: str = "off"
+    #: seconds an idle connection to a backend is kept for the next leg: under the servers'
+    #: own HTTP keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so that a leg
+    #: is never sent on a connection the server is closing at that moment
+    keepalive: float = 4.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -144,6 +148,8 @@ class RouterConfig:
         if self.first_token_from_prefill not in ("auto", "off"):
             raise ValueError("--first-token-from-prefill must be auto or off, got "
                              f"{self.first_token_from_prefill!r}")
+        if not self.keepalive > 0:
+            raise ValueError(f"--keepalive must be > 0, got {self.keepalive}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.max_connections < 1:
@@ -189,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
         "it, then D's stream without its copy; auto: only where it is provably the same token "
         "(greedy, one choice, no logprobs, stop strings or echo); a rare mismatch of P's and "
         "D's token ends that stream with an error (docs/router.md) (%(default)s)")
+    p.add_argument(
+        "--keepalive", type=float, default=4.0,
+        help="seconds an idle connection to a backend is kept for the next leg; keep it under "
+        "the servers' own keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default) "
+        "(%(default)s)")
     p.add_argument("--log-level", default="info", help="uvicorn/router log level")
     return p
 
@@ -212,6 +223,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[RouterConfig, str]:
             max_connections=ns.max_connections,
             release_timeout=ns.release_timeout,
             first_token_from_prefill=ns.first_token_from_prefill,
+            keepalive=ns.keepalive,
         )
     except ValueError as exc:
         parser.error(str(exc))  # exits

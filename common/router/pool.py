@@ -39,6 +39,12 @@ class Backend:
         self.proxy: str | None = None  # the legs' proxy from the environment (Router.start)
         self.connect_failures = 0  # in a row
         self.down_until = 0.0  # (monotonic) left out of selection until then
+        #: (push, prefill) why its newest answer did not hold the prefill for a transfer
+        #: (None: it did, or none came yet)
+        self.not_held: str | None = None
+        #: (push, prefill) why its side channel (kv=) did not answer the router's dial after a
+        #: request D failed (None: it answered since, or no such failure)
+        self.kv_unreachable: str | None = None
         gauge.set(0)
 
     def add(self, delta: int) -> None:
