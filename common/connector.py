@@ -64,6 +64,25 @@ def _early_prefill_done(config: PushConfig, vllm_config: Any) -> bool:
     return True
 
 
+def _idle_step_wait(config: PushConfig, vllm_config: Any, role: str) -> float:
+    """How long a decoder worker waits in an engine step that runs no model
+    (``idle_step_wait_s``): only where vLLM runs one step at a time with one engine. With async
+    scheduling or pipeline parallelism the next step is planned before this one's output is
+    processed, so the wait would delay a request just reported (or a new one) instead of
+    speeding it up; with data parallelism every rank's step waits for the slowest rank's."""
+    if role == "producer" or config.idle_step_wait_s == 0:
+        return 0.0
+    ok, why = compat.one_batch_at_a_time(vllm_config)
+    dp = int(getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1) or 1)
+    if ok and dp > 1:
+        ok, why = False, f"data parallel size {dp}"
+    if not ok:
+        logger.info("kv_push: idle-step wait off: %s (KV that arrives is reported at the "
+                    "next step's look)", why)
+        return 0.0
+    return config.idle_step_wait_s
+
+
 def _layerwise(config: PushConfig, vllm_config: Any) -> bool:
     """Whether the producer streams prefills layer by layer while their step runs
     (``layerwise``: ``auto`` under the same conditions as the early announcement: a stream
@@ -138,7 +157,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                 block_size=block_size, dtype=compat.kv_dtype_name(vllm_config),
                 load_failure_policy=str(getattr(ktc, "kv_load_failure_policy", "fail")),
                 failed_recving=compat.HAS_FAILED_RECVING,
-                early_failures=compat.kv_cache_groups(kv_cache_config) <= 1)
+                early_failures=compat.kv_cache_groups(kv_cache_config) <= 1,
+                idle_step_wait_s=_idle_step_wait(self.push_config, vllm_config, self.kv_role))
             check_model = getattr(self._worker.backend, "check_model", None)
             if check_model is not None:  # a backend that cannot serve this model says so now
                 check_model(sliding_window=getattr(mc, "get_sliding_window", lambda: None)(),

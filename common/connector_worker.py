@@ -24,11 +24,15 @@ the transfer thread finished:
   fence; with ``recompute`` the request waits for the fence as before. vLLM takes block-level
   errors only with one KV cache group (``early_failures``).
 
-In a step that runs no model (``StepPlan.idle``: every request there waits for its KV) while KV
-is awaited, ``get_finished`` first waits up to ``idle_step_wait_s`` for an outcome: vLLM steps
-such an engine about once a millisecond (a look, then a 1 ms sleep), and an outcome that comes
-during the wait is reported in that step instead of at the next look. The engine is blocked
-meanwhile; it runs no model, so only a request or an abort that reaches it then waits as long.
+In a step that runs no model (``StepPlan.idle``: every request there waits for its KV, or for
+its blocks to be freed) while a request's KV may still arrive, ``get_finished`` first waits up
+to ``idle_step_wait_s`` for an outcome: vLLM steps such an engine about once a millisecond (a
+look, then a 1 ms sleep), and an outcome that comes during the wait is reported in that step
+instead of at the next look. The engine is blocked meanwhile; it runs no model, so only a
+request or an abort that reaches it then waits as long. Only where vLLM runs one step at a time
+with one engine (``connector._idle_step_wait``): where it plans the next step first (async
+scheduling, pipeline parallelism) the wait would delay what was just reported, and data-parallel
+ranks step in lockstep.
 """
 
 from __future__ import annotations
@@ -51,15 +55,19 @@ class PushConnectorWorker:
     def __init__(self, *, config: PushConfig, role: str, engine_id: str, tp_rank: int,
                  tp_size: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
                  load_failure_policy: str = "fail", failed_recving: bool = False,
-                 early_failures: bool = True):
+                 early_failures: bool = True, idle_step_wait_s: float | None = None):
         """``load_failure_policy``: vLLM's ``kv_load_failure_policy`` (``recompute`` or
         ``fail``), only to label the ``load_failures`` counter: vLLM applies it.
         ``failed_recving``: vLLM takes a failure together with the request's
         ``finished_recving`` in ``failed_recving`` (block ids with load errors are then reported
         only for failures reported before that). ``early_failures``: report a failure decided
         while the blocks stay fenced at once, as load errors of its blocks (module docstring);
-        vLLM takes those only with one KV cache group."""
+        vLLM takes those only with one KV cache group. ``idle_step_wait_s``: how long
+        ``get_finished`` may wait in a step that runs no model (module docstring; None:
+        ``config``'s; the connector turns it off where vLLM plans steps ahead)."""
         self.config = config
+        self.idle_step_wait_s = (config.idle_step_wait_s if idle_step_wait_s is None
+                                 else idle_step_wait_s)
         self.load_failure_policy = load_failure_policy
         self.failed_recving = failed_recving
         self.early_failures = early_failures
@@ -214,7 +222,7 @@ class PushConnectorWorker:
         if w.decoder:
             # in a step that runs no model, with KV awaited, an outcome that comes within
             # idle_step_wait_s is reported now instead of at the next step's look
-            wait = self.config.idle_step_wait_s if self._idle_step and self._blocks else 0.0
+            wait = self.idle_step_wait_s if self._idle_step and self._awaited() else 0.0
             self._idle_step = False  # this step's: a call without a bind before it never waits
             w.await_outcomes(wait)
             for o in w.drain_outcomes():
@@ -250,6 +258,12 @@ class PushConnectorWorker:
                 self._failed_early.add(v.key)
                 self.counters.inc("load_failures_before_fence_end")
         return sending, recving, failed
+
+    def _awaited(self) -> bool:
+        """A request vLLM waits for whose KV may still arrive (not one reported failed while
+        fenced, ended by vLLM or given up: their outcome only ends a fence)."""
+        gone = (self._failed_early, self._ended, self._abandoned)
+        return any(not any(k in g for g in gone) for k in self._blocks)
 
     def _report_failed(self, o, blocks, failed: set[str], *, early: bool) -> None:
         self.counters.inc("load_failures", label=self.load_failure_policy)

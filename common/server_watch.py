@@ -13,7 +13,10 @@ of its parent) -- and remembers that engine's parent. :meth:`ServerWatch.gone` s
 engine's parent changed (it died) or the engine itself is gone. Without vLLM's titles (no
 ``setproctitle``) a process started by ``multiprocessing`` watches its own parent; any other
 process (a test, the demo run by hand) watches nothing. Linux ``/proc`` only: elsewhere nothing
-is watched.
+is watched. ``KV_PUSH_SERVER_WATCH=0`` turns the watch off (``worker.py``): for an application
+whose engine's parent exits by design while the engine serves on (with ``--api-server-count``
+above 1, vLLM's engines belong to the launcher, not to an API server: killing the launcher alone
+closes the workers while API servers may still be up).
 """
 
 from __future__ import annotations

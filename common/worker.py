@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 STATE_LOG_ENV = "KV_PUSH_STATE_LOG_S"
 #: seconds between looks at whether this worker's vLLM server is still there (``server_watch``)
 SERVER_WATCH_S = 1.0
+#: environment variable: ``0`` turns that watch off (an application that runs vLLM's engine
+#: under a process meant to exit while the engine serves on)
+SERVER_WATCH_ENV = "KV_PUSH_SERVER_WATCH"
 
 
 class PushWorker:
@@ -206,8 +209,8 @@ class PushWorker:
             self._state_log = threading.Thread(target=self._log_state, args=(every,),
                                                name="kv-push-state-log", daemon=True)
             self._state_log.start()
-        watch = ServerWatch()
-        if watch.watching:
+        watch = ServerWatch() if os.environ.get(SERVER_WATCH_ENV, "1") != "0" else None
+        if watch is not None and watch.watching:
             threading.Thread(target=self._watch_server, args=(watch,), name="kv-push-watch",
                              daemon=True).start()
         return self
@@ -330,7 +333,7 @@ class PushWorker:
 
     def await_outcomes(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for an outcome or a verdict put since the last call
-        (True if one was); then drain them."""
+        (True if one was). It only waits; the caller drains the queues next."""
         return self._need(self.decoder, "await_outcomes").await_news(timeout)
 
     def drain_outcomes(self) -> list[Outcome]:

@@ -342,8 +342,7 @@ def test_an_idle_step_waits_for_an_outcome_only_while_kv_is_awaited():
     from kv_push.common.connector_scheduler import Expect, StepPlan
     from kv_push.common.decoder import Outcome
 
-    cw, stub = _decoder_half()
-    cw.config = PushConfig(backend="host", idle_step_wait_s=0.004)
+    cw, stub = _decoder_half(idle_step_wait_s=0.004)
     cw.handle(StepPlan(idle=True))
     cw.get_finished()
     cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32)]))  # runs a model
@@ -357,10 +356,53 @@ def test_an_idle_step_waits_for_an_outcome_only_while_kv_is_awaited():
     cw.handle(StepPlan(idle=True))  # r1 reported: nothing awaited
     cw.get_finished()
     assert stub.waits == [0.0, 0.0, 0.004, 0.0, 0.004, 0.0]
-    cw.config = PushConfig(backend="host", idle_step_wait_s=0)
+    cw.idle_step_wait_s = 0
     cw.handle(StepPlan(expects=[Expect("r2", "t2", 0, "h", 1, (3, 4), 0, 32)], idle=True))
     cw.get_finished()
     assert stub.waits[-1] == 0
+
+
+def test_no_idle_step_wait_for_a_request_whose_kv_can_no_longer_arrive():
+    # failed while fenced, ended by vLLM, given up: its outcome only ends a fence (a walk
+    # through the review: the worker waited in every idle step for a whole fence)
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector_scheduler import Expect, StepPlan
+    from kv_push.common.decoder import Outcome
+
+    cw, stub = _decoder_half(idle_step_wait_s=0.004)
+    cw.handle(StepPlan(expects=[Expect("r1", "t1", 0, "h", 1, (1, 2), 0, 32),
+                                Expect("r2", "t2", 0, "h", 1, (3, 4), 0, 32)]))
+    cw.handle(StepPlan(cancels=["r2"], idle=True))  # vLLM ended r2; r1 is awaited
+    cw.get_finished()
+    stub.verdicts = [Outcome("r1", "failed", "producer unresponsive")]
+    cw.handle(StepPlan(idle=True))
+    cw.get_finished()  # r1 reported failed: nothing awaited from here on
+    cw.handle(StepPlan(idle=True))
+    cw.get_finished()
+    assert stub.waits == [0.004, 0.004, 0.0]
+
+
+@pytest.mark.parametrize("change,role,wait", [
+    ({}, "kv_consumer", 0.002),
+    ({}, "kv_both", 0.002),
+    ({}, "kv_producer", 0.0),
+    ({"async_scheduling": True}, "kv_consumer", 0.0),
+    ({"pipeline_parallel_size": 2}, "kv_consumer", 0.0),
+    ({"data_parallel_size": 2}, "kv_consumer", 0.0),
+    ({"extra": {"idle_step_wait_s": 0}}, "kv_consumer", 0.0),
+])
+def test_the_idle_step_wait_only_where_vllm_runs_one_step_at_a_time(change, role, wait):
+    from kv_push.common.config import PushConfig
+    from kv_push.common.connector import _idle_step_wait
+
+    cfg = SimpleNamespace(
+        scheduler_config=SimpleNamespace(async_scheduling=change.get("async_scheduling", False)),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=change.get("pipeline_parallel_size", 1),
+            data_parallel_size=change.get("data_parallel_size", 1)))
+    pc = PushConfig.from_sources(change.get("extra", {}), env={})
+    kv_role = {"kv_consumer": "decoder", "kv_both": "both", "kv_producer": "producer"}[role]
+    assert _idle_step_wait(pc, cfg, kv_role) == wait
 
 
 def test_the_scheduler_half_marks_a_step_that_runs_no_model():

@@ -506,6 +506,22 @@ async def test_a_decode_failure_with_ps_side_channel_unreachable_says_so(endpoin
         assert "kv_unreachable" not in h.json()["prefill"][0]
 
 
+async def test_a_side_channel_that_answers_again_clears_health_without_a_request():
+    # plain /health dials a P marked kv_unreachable again: a readiness check that took the
+    # router out of service must see it come back (no request would clear it)
+    async with cluster(side_channels=False) as c:
+        c.decodes[0].behavior.fail_status = 500
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "kv_side_channel_unreachable"
+        assert (await c.client.get("/health")).status_code == 503  # still not answering
+        side = SideChannelRecorder(KV_BASE_PORT)  # P's side channel is back
+        try:
+            h = await c.client.get("/health")
+            assert h.status_code == 200 and h.json()["status"] == "ok", h.json()
+        finally:
+            side.close()
+
+
 async def test_a_prefill_server_that_does_not_hold_prefills_is_said_counted_and_shown():
     # a server that is no kv-push producer (or --prefill and --decode swapped): its answers
     # carry no transfer id, D computes every prompt itself

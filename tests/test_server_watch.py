@@ -166,3 +166,39 @@ def test_a_producer_whose_server_is_gone_closes_and_frees_its_side_channel_port(
     line = s.wait_for(lambda l: "the vLLM server of this engine is gone" in l)
     assert f"process {s.api.pid}, which started its engine process {s.pids['engine']}" in line
     assert os.path.exists(f"/proc/{s.pids['engine']}")  # vLLM's engine itself is left alone
+
+
+def _watch_in_child(q) -> None:
+    from kv_push.common.server_watch import ServerWatch as Watch
+
+    w = Watch()
+    q.put((w.watching, w.engine, w.parent, os.getpid(), os.getppid()))
+
+
+def test_a_process_started_by_multiprocessing_without_titles_watches_its_parent():
+    # the fallback where vLLM's titles are missing (no setproctitle): a multiprocessing
+    # child watches the process that started it
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_watch_in_child, args=(q,))
+    child.start()
+    watching, engine, parent, pid, ppid = q.get(timeout=60)
+    child.join(60)
+    assert watching and engine == pid and parent == ppid == os.getpid()
+
+
+def test_the_watch_can_be_turned_off(servers):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ["KV_PUSH_SERVER_WATCH"] = "0"  # the children inherit it
+    try:
+        s = servers(PRODUCER, str(port)).started("engine")
+    finally:
+        del os.environ["KV_PUSH_SERVER_WATCH"]
+    s.kill_api()
+    time.sleep(3)  # three looks' time: nothing closes
+    assert not _bindable(port)
+    assert not any("the vLLM server of this engine is gone" in l for l in s.lines)

@@ -988,7 +988,8 @@ class Router:
                     chat = ex.endpoint.endswith("chat/completions")
                     got = first_token_events(p_out.get("sse") or b"", chat)
                     if isinstance(got, tuple):
-                        self._first_token_sent(ex, "prefill", "")
+                        # an empty token (held-back bytes) is P's, but shows the client no text
+                        self._first_token_sent(ex, "prefill", "" if got[1] else "empty_text")
                         if timing.ENABLED:
                             timing.stamp("router_first_byte", ex.tid, source="prefill")
                         return PrefillFirstStream(ex, got[0], got[1], chat)
@@ -1040,7 +1041,8 @@ class Router:
                 await ex.close()
 
     async def health(self, probe: bool) -> JSONResponse:
-        """Backends and their outstanding legs; with ``probe`` also each one's ``/health``."""
+        """Backends and their outstanding legs; with ``probe`` also each one's ``/health``.
+        Without it, only the side channels of P's marked ``kv_unreachable`` are dialed (again)."""
         async def check(url: str) -> str | None:  # None: healthy, else the problem
             assert self.client is not None
             try:
@@ -1066,6 +1068,14 @@ class Router:
 
         backends = self.prefill_pool.backends + self.decode_pool.backends
         problems = await asyncio.gather(*(check_all(b) for b in backends)) if probe else []
+        if not probe:
+            # a P whose side channel did not answer after a failed request is dialed again:
+            # /health must not stay 503 once it answers (a readiness check that takes the
+            # router out of service would keep it out: no request would clear it)
+            flagged = [b for b in self.prefill_pool.backends if b.kv_unreachable]
+            for b, kv_problem in zip(flagged, await asyncio.gather(*(check_kv(b)
+                                                                     for b in flagged))):
+                b.kv_unreachable = kv_problem
         if probe and self.config.mode == "push":  # what each D says about each P
             decodes = self.decode_pool.backends
             refusals = await asyncio.gather(*(self._refusals(d.url) for d in decodes))

@@ -23,16 +23,17 @@ numerics); a mismatch is never hidden -- the stream ends with an error event and
 and the router counts it (``kv_push_router_first_token_total{path="mismatch"}``).
 
 A token's text may be empty (the detokenizer holds back the bytes of a character the next
-token completes; a special token) or hold replacement characters (bytes that are no valid
-UTF-8). vLLM streams such a first token as it is -- an event with empty text is sent, since it
-carries a token -- and P's one-token answer has the same text as a longer stream's first event
-(vLLM 0.32, tiny model: 40 of 40 prompts, 16 of them empty or with replacement characters;
-P's detokenizer does not flush at the end of its one token). So P's event goes to the client
-as the single server's first event would, also when empty; D's copy of it -- an event whose
-text is all P's, or empty where P's was -- is left out. With an empty P text there is nothing
-to check D's token against, and nothing of P's in the client's text either: what the client
-reads is D's text alone. (Before 2026-12-05 these tokens were left to D: 16 of 40 requests of
-the TTFT bench took D's first token.)
+token completes; a special token). vLLM streams such a first token as an event with empty text
+(it carries a token), and P's one-token answer has the same text as a longer stream's first
+event (vLLM 0.32, tiny model: 40 of 40 prompts alike, 6 of them empty; P's detokenizer does not
+flush at the end of its one token). So P's event goes to the client as a single server's first
+event would, also when empty, and D's copy of it -- an event whose text is all P's, or empty
+where P's was -- is left out. An empty P text leaves nothing to check D's token against, and
+nothing of P's in the client's text: the client reads D's text alone (counted as
+``first_token_total{path="prefill", reason="empty_text"}``: no visible text came sooner). A
+text with replacement characters (bytes that are no valid UTF-8; 10 of those 40) is left to D
+(``partial_character``): it matched D's in every case seen, but a P and D whose detokenizers
+differ (other vLLM versions or tokenizer settings) would end such streams in a mismatch.
 """
 
 from __future__ import annotations
@@ -150,6 +151,11 @@ def first_token_events(p_body: bytes, chat: bool) -> tuple[bytes, str] | str:
             out.append(_event(obj))
     if not kept_token:
         return "prefill_unexpected"  # no event of a token at all
+    if "\ufffd" in text:
+        # invalid bytes: P and D show them alike where both run one vLLM and tokenizer setup,
+        # but a detokenizer that holds them back on one side would end the stream in a
+        # mismatch; a token with no text at all cannot mismatch
+        return "partial_character"
     return b"".join(out), text
 
 
