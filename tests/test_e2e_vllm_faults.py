@@ -345,6 +345,73 @@ class TestKillMidStream:
         assert signature(got) == env["reference"][prompt]
 
 
+# -- a server's API process killed alone ------------------------------------------------------
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+class TestApiServerKilledAlone:
+    def test_a_producer_restarted_in_its_place_starts(self, env, figures):
+        # kill -9 of P's API process alone: vLLM leaves its engine and worker running,
+        # re-parented; our worker there held the side-channel port, and a P started in its
+        # place failed "cannot listen on ...: Address already in use" (a walkthrough,
+        # 2026-12-05). Now the worker notices its server is gone and closes (server_watch)
+        old, kv_port = producer(env, "prefill-orphaned")
+        new = None
+        try:
+            up([old])
+            assert not _bindable(kv_port)
+            os.kill(old.proc.pid, signal.SIGKILL)  # the API process only, not its group
+            t0 = time.monotonic()
+            while not _bindable(kv_port):
+                assert time.monotonic() - t0 < 20, old.tail(30)
+                time.sleep(0.1)
+            figures("e2e faults", "API server killed alone: side-channel port free after",
+                    time.monotonic() - t0)
+            gone = [line for line in old.log_text().splitlines()
+                    if "the vLLM server of this engine is gone" in line]
+            assert gone and "ERROR" in gone[0], old.tail(30)
+            assert any("VLLM::" in _cmdline(pid) for pid in _group(old.proc.pid)), \
+                "vLLM's engine was expected to outlive its API process (it is left alone)"
+            new = start(env, "prefill-restarted", 0, kv_role="kv_producer", kv_port=kv_port,
+                        extra_config={"rendezvous_ttl_s": TTL})
+            up([new])  # it listens on the same side-channel port
+        finally:
+            try:
+                os.killpg(old.proc.pid, signal.SIGKILL)  # the orphaned engine and worker
+            except ProcessLookupError:
+                pass
+            stop([new] if new is not None else [])
+
+
+def _group(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getpgid(int(entry)) == pgid:
+                    out.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
 # -- a frozen producer ---------------------------------------------------------------------------
 
 
