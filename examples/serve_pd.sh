@@ -30,6 +30,7 @@
 #   DTYPE            --dtype of both servers [the model's; KV_PUSH_BACKEND=host on a CPU with AMX:
 #                    float16, since vLLM's bf16 CPU attention dies with SIGILL there]
 #   EXTRA_VLLM_ARGS  more `vllm serve` arguments for both servers [--enforce-eager on CPU]
+#   ROUTER_ARGS      more kv-push-router arguments, e.g. "--first-token-from-prefill auto" []
 #   HEALTH_TIMEOUT   seconds to wait for each server [300]
 #
 # CPU (this machine): KV_PUSH_BACKEND=host, UCX over loopback, each server pinned to its own core
@@ -210,8 +211,9 @@ wait_healthy decode "$D_URL"
 
 P_SPEC="$P_URL,kv=$KV_HOST:$P_KV_PORT"
 if [ "$SYSTEM" = upstream-push ]; then P_SPEC="$P_SPEC,engine_id=$UPSTREAM_ENGINE_ID"; fi
+# shellcheck disable=SC2086  # ROUTER_ARGS: several words
 start router env PYTHONUNBUFFERED=1 "$PYTHON" -m kv_push.common.router --mode "$SYSTEM" \
-  --host "$ROUTER_HOST" --port "$ROUTER_PORT" --prefill "$P_SPEC" --decode "$D_URL"
+  --host "$ROUTER_HOST" --port "$ROUTER_PORT" --prefill "$P_SPEC" --decode "$D_URL" ${ROUTER_ARGS:-}
 ROUTER_URL="http://$(reach "$ROUTER_HOST"):$ROUTER_PORT"
 wait_healthy router "$ROUTER_URL"
 trap - ERR INT TERM

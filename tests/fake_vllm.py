@@ -184,10 +184,14 @@ class FakeVLLM:
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": 1700000000, "model": body.get("model", "fake-model")}
         out = []
+        continuous = (body.get("stream_options") or {}).get("continuous_usage_stats")
         if chat:
             out.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                    "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
+            if continuous:  # vLLM's role chunk carries usage too (no token yet)
+                out[-1]["usage"] = {"prompt_tokens": 3, "completion_tokens": 0,
+                                    "total_tokens": 3}
         for i in range(n):
             last = i == n - 1
             finish = ("stop" if i == b.eos_at else "length") if last else None

@@ -333,3 +333,53 @@ async def test_continuous_usage_stats_add_no_empty_event(endpoint, base, chat):
         assert all(content), texts  # no event without text
         assert evs[-1]["usage"]["completion_tokens"] == 5
         assert await metric(c, "prefill") == 1
+
+
+def _sequence(data: bytes, chat: bool) -> list:
+    """What a client reads of a stream: each event's text, finish reason and usage."""
+    out = []
+    for e in events(data):
+        if e == "[DONE]":
+            out.append(e)
+            continue
+        c = e["choices"][0] if e.get("choices") else None
+        out.append((None if c is None else (
+                        ("role" if (c.get("delta") or {}).get("role") else "")
+                        + (_choice(e, chat) or "")),
+                    None if c is None else c.get("finish_reason"), e.get("usage")))
+    return out
+
+
+@pytest.mark.parametrize("endpoint,base,chat", [("/v1/completions", COMPLETION, False),
+                                                ("/v1/chat/completions", CHAT, True)])
+@pytest.mark.parametrize("first", ["Hello", ""], ids=["text", "empty"])
+@pytest.mark.parametrize("usage", [{"include_usage": True},
+                                   {"include_usage": True, "continuous_usage_stats": True}],
+                         ids=["usage", "continuous"])
+async def test_the_client_reads_what_a_single_server_streams(endpoint, base, chat, first, usage):
+    # each event's text, finish reason and usage as one vLLM server streams them (a walkthrough
+    # saw, with continuous usage, an extra event and usage counting backwards: D's copy of an
+    # empty token and D's role chunk went out for their usage, P's events had none)
+    tokens = [first, ",", " world", "!", " How"]
+    body = dict(base, **GREEDY, stream_options=usage)
+    body.pop("max_completion_tokens", None)
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, tokens)
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        status, data, _ = await post(c, endpoint, body)
+        assert status == 200
+        single = b"".join(c.decodes[0]._vllm_stream(body, chat, "x")) + b"data: [DONE]\n\n"
+        assert _sequence(data, chat) == _sequence(single, chat)
+        assert await metric(c, "prefill") == 1
+
+
+async def test_a_request_for_one_token_takes_ds_stream():
+    # P's one token is the whole answer there: its end would have to be the client's (a
+    # walkthrough saw the finish reason come in an event of its own)
+    async with cluster(first_token="auto") as c:
+        same_tokens(c)
+        c.decodes[0].behavior.delay = 0.2
+        status, data, _ = await post(c, "/v1/completions",
+                                     {**COMPLETION, **GREEDY, "max_tokens": 1})
+        assert status == 200 and data == c.decodes[0].records[0].sent
+        assert await metric(c, "decode", "one_token") == 1

@@ -106,6 +106,8 @@ class Metrics:
             p + "first_token", "Streaming push requests by where the client's first token came "
             "from (path: prefill, decode, mismatch) and why not from P (reason)",
             ["path", "reason"], registry=r)
+        # the mismatch series exists from the start: "0 mismatches" is readable, not absent
+        self.first_token.labels(path="mismatch", reason="")
         self.first_token_seconds = Histogram(
             p + "first_token_seconds", "Streaming requests: router receipt to the first token "
             "sent to the client, by its source (prefill, decode)", ["endpoint", "mode", "source"],
@@ -890,13 +892,18 @@ class Router:
         body = dict(ex.body, max_tokens=1, stream=False)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
-        for key in ("stream_options", "min_tokens"):  # min_tokens > 1 would make vLLM reject it
-            body.pop(key, None)
+        body.pop("min_tokens", None)  # min_tokens > 1 would make vLLM reject it
+        streamed = self.config.mode == "push" and ex.first_token_off is None
+        if not streamed:  # vLLM refuses stream_options on a request that does not stream
+            body.pop("stream_options", None)
         if self.config.mode != "push":
             body["kv_transfer_params"] = dict(PULL_PREFILL_PARAMS)
             return body
-        if ex.first_token_off is None:
-            body["stream"] = True  # its one token as D would stream it (first_token.py)
+        if streamed:
+            # its one token as D would stream it (first_token.py), with the client's
+            # stream_options: with continuous usage P's events carry the usage a single
+            # server's first events carry
+            body["stream"] = True
         params: dict[str, Any] = {"transfer_id": ex.tid, "do_remote_decode": True}
         n = body.get("n")
         if (type(n) is int and 1 < n <= MAX_FANOUT and not body.get("use_beam_search")
@@ -1192,8 +1199,9 @@ def main(argv: list[str] | None = None) -> None:
     # keeps them
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    logger.info("mode=%s prefill=%s decode=%s", config.mode,
-                [f"{p.url} (kv {p.kv})" for p in config.prefill], list(config.decode))
+    logger.info("mode=%s prefill=%s decode=%s first-token-from-prefill=%s", config.mode,
+                [f"{p.url} (kv {p.kv})" for p in config.prefill], list(config.decode),
+                config.first_token_from_prefill)
     try:
         app = build_app(config)  # reads the shared secret (KV_PUSH_SECRET / _FILE)
     except SecretError as exc:  # as the command line's errors: one line, exit status 2

@@ -13,10 +13,13 @@ where both legs provably pick the same one (:func:`ineligible`):
   text that may begin one), no ``min_tokens`` (P's leg cannot carry it), no structured output
   or tools (other delta fields).
 
-P's leg is then streamed (one token); :func:`first_token_events` turns its events into what the
-client gets first -- P's own chunks, with ``finish_reason`` cleared (P stopped at its one token;
-the client's request goes on) and P's usage chunk and ``[DONE]`` left out -- and refuses when P
-stopped there (an end of sequence: D says how the request ends). :class:`DecodeFilter` then
+P's leg is then streamed (one token, with the client's ``stream_options``);
+:func:`first_token_events` turns its events into what the client gets first -- P's own chunks,
+with ``finish_reason`` cleared (P stopped at its one token; the client's request goes on) and
+their usage as a single server's first chunks carry it (``continuous_usage_stats``), P's
+usage-only chunk and ``[DONE]`` left out -- and refuses when P stopped there (an end of
+sequence: D says how the request ends). A request for one token is not eligible: P's token would
+be its whole answer. :class:`DecodeFilter` then
 passes D's stream on, minus its copy of that token (and, for chat, D's role chunk): D's text
 must begin with P's, which it does unless the two servers' logits differ (different
 numerics); a mismatch is never hidden -- the stream ends with an error event and ``[DONE]``,
@@ -89,6 +92,9 @@ def ineligible(body: dict, chat: bool) -> str | None:
         return "stop_strings"
     if body.get("min_tokens"):
         return "min_tokens"
+    if 1 in (body.get("max_tokens"), body.get("max_completion_tokens")):
+        # P's one token is the whole answer: its end would have to be the client's
+        return "one_token"
     if any(body.get(k) is not None for k in _STRUCTURED):
         return "structured"
     return None
@@ -146,8 +152,7 @@ def first_token_events(p_body: bytes, chat: bool) -> tuple[bytes, str] | str:
         choice["finish_reason"] = None
         if "stop_reason" in choice:
             choice["stop_reason"] = None
-        obj.pop("usage", None)
-        if keep:
+        if keep:  # (with continuous usage stats its usage is a single server's for that event)
             out.append(_event(obj))
     if not kept_token:
         return "prefill_unexpected"  # no event of a token at all
@@ -206,8 +211,12 @@ class DecodeFilter:
         token = not (self.chat and delta.get("role"))  # vLLM's role chunk holds no token
         if self.chat:
             delta.pop("role", None)  # the client has P's role chunk
+        if not token:  # D's role chunk: the client has P's (with its usage, if any)
+            return b""
         text = _choice_text(choice, self.chat)
-        emptied = False  # this event's text was all P's: the client has it
+        # this event's text was all P's (the client has it), or it is D's copy of a token
+        # whose text was empty on P
+        emptied = not text and not self.remaining
         if text:
             n = min(len(text), len(self.remaining))
             if text[:n] != self.remaining[:n]:
