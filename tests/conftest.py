@@ -72,6 +72,19 @@ def free_port_pair(count: int = 2) -> int:
     return free_ports(count)
 
 
+def bindable(port: int) -> bool:
+    """Whether a listener could bind ``port`` on loopback now (SO_REUSEADDR, as servers do)."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def start_peers(*specs, concurrency: int = 3, start_timeout: float = 180.0):
     """Start ``LocalPeer`` processes for ``specs``, a few at a time (start-up is CPU-bound: on a
     small, shared machine more at once only makes each slower); all or nothing."""

@@ -45,16 +45,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kv_push.common.server_watch import title_of
 from kv_push.common.testing.vllm_servers import Server, free_port, metric, router, vllm_server
 from kv_push.common.worker import STATE_LOG_ENV
 
 try:
-    from conftest import free_port_pair
+    from conftest import bindable, free_port_pair
     from e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
                              assert_idle, busy, complete, heavy_venvs, make_prompts, signature,
                              tiny_model_path)
 except ModuleNotFoundError:  # imported as a package module
-    from tests.conftest import free_port_pair
+    from tests.conftest import bindable, free_port_pair
     from tests.e2e_support import (MAX_TOKENS, NUM_PROMPTS, REQUEST_BOUND_S, References, body,
                                    assert_idle, busy, complete, heavy_venvs, make_prompts,
                                    signature, tiny_model_path)
@@ -348,16 +349,6 @@ class TestKillMidStream:
 # -- a server's API process killed alone ------------------------------------------------------
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 class TestApiServerKilledAlone:
     def test_a_producer_restarted_in_its_place_starts(self, env, figures):
         # kill -9 of P's API process alone: vLLM leaves its engine and worker running,
@@ -368,10 +359,10 @@ class TestApiServerKilledAlone:
         new = None
         try:
             up([old])
-            assert not _bindable(kv_port)
+            assert not bindable(kv_port)
             os.kill(old.proc.pid, signal.SIGKILL)  # the API process only, not its group
             t0 = time.monotonic()
-            while not _bindable(kv_port):
+            while not bindable(kv_port):
                 assert time.monotonic() - t0 < 20, old.tail(30)
                 time.sleep(0.1)
             figures("e2e faults", "API server killed alone: side-channel port free after",
@@ -379,7 +370,7 @@ class TestApiServerKilledAlone:
             gone = [line for line in old.log_text().splitlines()
                     if "the vLLM server of this engine is gone" in line]
             assert gone and "ERROR" in gone[0], old.tail(30)
-            assert any("VLLM::" in _cmdline(pid) for pid in _group(old.proc.pid)), \
+            assert any("VLLM::" in title_of(pid) for pid in _group(old.proc.pid)), \
                 "vLLM's engine was expected to outlive its API process (it is left alone)"
             new = start(env, "prefill-restarted", 0, kv_role="kv_producer", kv_port=kv_port,
                         extra_config={"rendezvous_ttl_s": TTL})
@@ -402,14 +393,6 @@ def _group(pgid: int) -> list[int]:
             except ProcessLookupError:
                 pass
     return out
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(
-            errors="replace")
-    except OSError:
-        return ""
 
 
 # -- a frozen producer ---------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,10 @@ import time
 import pytest
 
 from kv_push.common.server_watch import ServerWatch, parent_of, title_of
+
+from kv_push.common.testing.vllm_servers import free_port
+
+from conftest import bindable
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 
@@ -143,26 +146,14 @@ def test_a_process_without_vllms_titles_is_not_watched():
     assert not ServerWatch(os.getpid()).watching  # pytest: no title, pid given
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def test_a_producer_whose_server_is_gone_closes_and_frees_its_side_channel_port(servers):
     # the walkthrough's case: P's API server killed alone; a P started in its place could not
     # listen on the side-channel port the orphaned engine's worker still held
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     s = servers(PRODUCER, str(port)).started("engine")
-    assert not _bindable(port)  # the worker listens for handshakes
+    assert not bindable(port)  # the worker listens for handshakes
     s.kill_api()
-    _wait(lambda: _bindable(port), timeout=30)
+    _wait(lambda: bindable(port), timeout=30)
     line = s.wait_for(lambda l: "the vLLM server of this engine is gone" in l)
     assert f"process {s.api.pid}, which started its engine process {s.pids['engine']}" in line
     assert os.path.exists(f"/proc/{s.pids['engine']}")  # vLLM's engine itself is left alone
@@ -190,9 +181,7 @@ def test_a_process_started_by_multiprocessing_without_titles_watches_its_parent(
 
 
 def test_the_watch_can_be_turned_off(servers):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     os.environ["KV_PUSH_SERVER_WATCH"] = "0"  # the children inherit it
     try:
         s = servers(PRODUCER, str(port)).started("engine")
@@ -200,5 +189,5 @@ def test_the_watch_can_be_turned_off(servers):
         del os.environ["KV_PUSH_SERVER_WATCH"]
     s.kill_api()
     time.sleep(3)  # three looks' time: nothing closes
-    assert not _bindable(port)
+    assert not bindable(port)
     assert not any("the vLLM server of this engine is gone" in l for l in s.lines)

@@ -1100,13 +1100,13 @@ class Router:
                         for pool in (self.prefill_pool, self.decode_pool))
         unusable = any(problems) or len(incompatible) == pairs or role_down
         not_held = any(b.not_held for b in self.prefill_pool.backends)
+        kv_flagged = [b for b in self.prefill_pool.backends if b.kv_unreachable]
         # every P's side channel failed the router's dial after a request D failed: nothing can
         # be transferred (a wrong kv= on every --prefill, P's side channel down)
-        kv_down = all(b.kv_unreachable for b in self.prefill_pool.backends)
-        unusable = unusable or kv_down
+        unusable = unusable or len(kv_flagged) == len(self.prefill_pool.backends)
         info: dict[str, Any] = {
             "status": "degraded" if any(problems) or incompatible or down or not_held
-            or any(b.kv_unreachable for b in self.prefill_pool.backends) else "ok",
+            or kv_flagged else "ok",
             "mode": self.config.mode, "prefill": [], "decode": [], "incompatible": incompatible}
         for i, b in enumerate(backends):
             entry: dict[str, Any] = {"url": b.url, "outstanding": b.outstanding}
