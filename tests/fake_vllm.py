@@ -1,7 +1,7 @@
 """A fake vLLM OpenAI server for router tests: records requests, delays, fails, streams SSE.
 
 ``FakeVLLM(name, role)`` builds a FastAPI app (``.app``) serving ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/tokenize`` and ``/health``. Its behaviour is set through
+``/v1/chat/completions``, ``/v1/models``, ``/version``, ``/tokenize`` and ``/health``. Its behaviour is set through
 ``.behavior`` (mutable between requests) and every request is kept in ``.records`` with its body,
 headers, monotonic start/end times, the bytes it sent, and whether the client went away before
 the response was complete (``disconnected``) -- which is how tests see that the router cancelled
@@ -57,6 +57,8 @@ class Behavior:
     #: adds a usage chunk
     tokens: list[str] | None = None
     eos_at: int | None = None  # the token index that is an end of sequence (its text is "")
+    version: str | None = "0.32.0+fake"  # what GET /version answers (None: 404)
+    model_root: str = "/models/fake"  # the ``root`` of its one model in GET /v1/models
 
 
 def _role_chunk(rid: str) -> dict:
@@ -103,6 +105,7 @@ class FakeVLLM:
         self.app.post("/v1/completions")(self._completions)
         self.app.post("/v1/chat/completions")(self._chat)
         self.app.get("/v1/models")(self._models)
+        self.app.get("/version")(self._version)
         self.app.post("/tokenize")(self._tokenize)
         self.app.get("/health")(lambda: Response(status_code=200))
         self.app.get("/metrics")(lambda: Response(self.behavior.metrics_text,
@@ -118,7 +121,13 @@ class FakeVLLM:
 
     async def _models(self) -> JSONResponse:
         return JSONResponse({"object": "list",
-                             "data": [{"id": "fake-model", "owned_by": self.name}]})
+                             "data": [{"id": "fake-model", "owned_by": self.name,
+                                       "root": self.behavior.model_root}]})
+
+    async def _version(self) -> Response:
+        if self.behavior.version is None:
+            return Response(status_code=404)
+        return JSONResponse({"version": self.behavior.version})
 
     async def _tokenize(self, request: Request) -> JSONResponse:
         """One token per character; the server's name and the caller's ``Authorization``."""

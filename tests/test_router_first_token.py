@@ -253,20 +253,72 @@ async def test_an_empty_first_token_on_p_with_text_on_d_passes_ds_text_on():
         assert await metric(c, "prefill") == 1 and await metric(c, "mismatch") == 0
 
 
-@pytest.mark.parametrize("tokens,eos,reason", [
-    (["\ufffd"] + TOKENS[1:], None, "partial_character"),
-    (["a\ufffd\x1eb"] + TOKENS[1:], None, "partial_character"),
-    (TOKENS, 0, "prefill_stopped"),
-])
-async def test_a_first_token_that_cannot_be_checked_is_left_to_d(tokens, eos, reason):
+async def read_builds(c) -> None:
+    """Have the router read every backend's build again now (builds.py), and wait for it."""
+    router = c.router
+    await eventually(lambda: not router.builds.reading(), "the start-up readings")
+    for b in router.prefill_pool.backends + router.decode_pool.backends:
+        router.read_build(b, force=True)
+    await eventually(lambda: not router.builds.reading(), "the readings")
+
+
+PARTIAL = [["\ufffd"] + TOKENS[1:], ["a\ufffd\x1eb"] + TOKENS[1:]]
+
+
+@pytest.mark.parametrize("tokens", PARTIAL, ids=["alone", "inside"])
+async def test_a_partial_character_comes_from_p_where_p_and_d_run_one_build(tokens):
     async with cluster(first_token="auto") as c:
         same_tokens(c, tokens)
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        await read_builds(c)
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "".join(tokens[:5])
+        assert _choice(evs[0], False) == tokens[0]  # P's event, then D's without its copy
+        assert await metric(c, "prefill", "") == 1 and await metric(c, "mismatch") == 0
+
+
+@pytest.mark.parametrize("change", [
+    lambda p, d: setattr(p.behavior, "version", "0.29.0+fake"),
+    lambda p, d: setattr(d.behavior, "version", None),  # D's version cannot be read
+    lambda p, d: setattr(d.behavior, "model_root", "/models/other"),
+], ids=["versions_differ", "version_unknown", "models_differ"])
+@pytest.mark.parametrize("tokens", PARTIAL, ids=["alone", "inside"])
+async def test_a_partial_character_is_left_to_d_unless_p_and_d_run_one_build(tokens, change):
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, tokens)
+        change(c.prefills[0], c.decodes[0])
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        await read_builds(c)
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert status == 200 and data == c.decodes[0].records[0].sent
+        assert await metric(c, "decode", "partial_character") == 1
+
+
+async def test_a_partial_character_d_holds_back_is_a_mismatch_never_hidden():
+    # one build by its version and models, yet D's detokenizer holds the bytes back (other
+    # tokenizer settings): the client has P's U+FFFD, so the stream ends in a counted error
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, ["\ufffd"] + TOKENS[1:])
+        c.decodes[0].behavior.tokens = ["", "\u00e9"] + TOKENS[2:]
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        await read_builds(c)
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "\ufffd"
+        assert evs[-2]["error"]["type"] == "first_token_mismatch" and evs[-1] == "[DONE]"
+        assert await metric(c, "mismatch") == 1
+
+
+async def test_a_first_token_that_ends_the_sequence_on_p_is_left_to_d():
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, TOKENS)
         for srv in c.prefills + c.decodes:
-            srv.behavior.eos_at = eos
+            srv.behavior.eos_at = 0
         c.decodes[0].behavior.delay = 0.3  # P answers first
         status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
         assert status == 200 and data == c.decodes[0].records[0].sent
-        assert await metric(c, "decode", reason) == 1
+        assert await metric(c, "decode", "prefill_stopped") == 1
 
 
 def test_the_decode_filter_splits_events_and_tokens_anywhere():

@@ -50,6 +50,7 @@ from prometheus_client import generate_latest
 from kv_push.common import timing
 from kv_push.common.auth import SecretError, TransferParamsSigner
 from kv_push.common.metrics import LogLimiter
+from kv_push.common.router.builds import BuildBook, read_build, same_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.first_token import (
@@ -522,6 +523,9 @@ class Router:
         self.legs: aiohttp.ClientSession | None = None  # the P and D legs (LegResponse)
         self._background: set[asyncio.Task] = set()
         self.compat = PairCompat()
+        #: (push, first token from P) which vLLM build each backend runs (builds.py)
+        self.builds = BuildBook()
+        self._read_builds = config.mode == "push" and config.first_token_from_prefill == "auto"
         self._log = LogLimiter(logger)  # warnings that may repeat with every request
         # push mode: signs both legs' kv_transfer_params with KV_PUSH_SECRET (or the file named
         # by KV_PUSH_SECRET_FILE); P and D with the secret act on signed params only
@@ -568,6 +572,8 @@ class Router:
             timeout=aiohttp.ClientTimeout(total=None, connect=c.timeout,
                                           sock_connect=c.connect_timeout, sock_read=c.timeout),
             skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
+        for b in self.prefill_pool.backends + self.decode_pool.backends:
+            self.read_build(b)
 
     async def stop(self) -> None:
         await self.releaser.close()
@@ -648,6 +654,26 @@ class Router:
 
         self.adopt(asyncio.get_running_loop().create_task(read()))
 
+    def read_build(self, backend: Backend, force: bool = False) -> None:
+        """(push, first token from P) read ``backend``'s build in the background where its
+        reading is missing or stale, or ``force`` (``builds.py``)."""
+        if not self._read_builds or self.legs is None or not self.builds.due(backend.url, force):
+            return
+        session, url, proxy = self.legs, backend.url, backend.proxy
+
+        async def read() -> None:
+            build = None
+            try:
+                build = await read_build(session, url, proxy)
+            finally:
+                self.builds.record(url, build)
+
+        self.adopt(asyncio.get_running_loop().create_task(read()))
+
+    def same_build(self, ex: Exchange) -> bool:
+        """Do ``ex``'s P and D run the same vLLM build (as last read)?"""
+        return same_build(self.builds.get(ex.p.backend.url), self.builds.get(ex.d.backend.url))
+
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:
             return
@@ -699,6 +725,7 @@ class Router:
             raise
         if backend.reachable():
             logger.info("%s %s can be connected to again", backend.role, backend.url)
+            self.read_build(backend, force=True)  # it may have been restarted with another
         return LegResponse(resp)
 
     async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
@@ -940,6 +967,9 @@ class Router:
         headers = {"X-Request-Id": ex.leg_request_id}
         if auth := request.headers.get("authorization"):
             headers["Authorization"] = auth
+        if ex.first_token_off is None:  # readings older than builds.MAX_AGE_S: read again
+            self.read_build(ex.p.backend)
+            self.read_build(ex.d.backend)
         ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex), headers))
         d_params = self._decode_params(ex)
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
@@ -993,7 +1023,8 @@ class Router:
                 # cancels D
                 if ex.first_token_off is None:
                     chat = ex.endpoint.endswith("chat/completions")
-                    got = first_token_events(p_out.get("sse") or b"", chat)
+                    got = first_token_events(p_out.get("sse") or b"", chat,
+                                             replacement_ok=self.same_build(ex))
                     if isinstance(got, tuple):
                         # an empty token (held-back bytes) is P's, but shows the client no text
                         self._first_token_sent(ex, "prefill", "" if got[1] else "empty_text")

@@ -34,9 +34,11 @@ event would, also when empty, and D's copy of it -- an event whose text is all P
 where P's was -- is left out. An empty P text leaves nothing to check D's token against, and
 nothing of P's in the client's text: the client reads D's text alone (counted as
 ``first_token_total{path="prefill", reason="empty_text"}``: no visible text came sooner). A
-text with replacement characters (bytes that are no valid UTF-8; 10 of those 40) is left to D
-(``partial_character``): it matched D's in every case seen, but a P and D whose detokenizers
-differ (other vLLM versions or tokenizer settings) would end such streams in a mismatch.
+text with replacement characters (bytes that are no valid UTF-8; 10 of those 40) matched D's in
+every case seen, but a P and D whose detokenizers differ (other vLLM versions or tokenizer
+settings) would end such streams in a mismatch: it is taken from P only where the router knows
+that P and D run the same build (``builds.py``: the same ``/version`` and models), and left to D
+otherwise (``partial_character``).
 """
 
 from __future__ import annotations
@@ -110,9 +112,11 @@ def _choice_text(choice: dict, chat: bool) -> str:
     return choice.get("text") or ""
 
 
-def first_token_events(p_body: bytes, chat: bool) -> tuple[bytes, str] | str:
+def first_token_events(p_body: bytes, chat: bool, replacement_ok: bool = False
+                       ) -> tuple[bytes, str] | str:
     """From P's streamed one-token answer: (the SSE bytes the client gets first, the token's
-    text), or why it cannot be used (a short reason)."""
+    text), or why it cannot be used (a short reason). ``replacement_ok``: P and D are known to
+    run the same build, so a text with replacement characters may be used."""
     out: list[bytes] = []
     text = ""
     kept_token = False  # an event of the token is in ``out`` (one is, even with empty text)
@@ -156,7 +160,7 @@ def first_token_events(p_body: bytes, chat: bool) -> tuple[bytes, str] | str:
             out.append(_event(obj))
     if not kept_token:
         return "prefill_unexpected"  # no event of a token at all
-    if "\ufffd" in text:
+    if "\ufffd" in text and not replacement_ok:
         # invalid bytes: P and D show them alike where both run one vLLM and tokenizer setup,
         # but a detokenizer that holds them back on one side would end the stream in a
         # mismatch; a token with no text at all cannot mismatch
