@@ -196,6 +196,14 @@ def test_streaming_and_chat_through_router(stack, prompts, figures):
     figures("e2e", f"vLLM {stack['version']}: greedy streams whose first token came from P",
             f"{from_p:.0f} of 7")
     assert metric(url, "kv_push_router_first_token_total", path="mismatch") == 0
+    # the router read both servers' builds (builds.py) from real vLLM: one version and model,
+    # so a first token with U+FFFD in its text came from P too
+    runs = [line for line in stack["router"].log_text().splitlines() if " runs vLLM " in line]
+    for server in (stack["p"], stack["d"]):
+        assert any(server.url in line and stack["version"] in line and "tiny" in line
+                   for line in runs), runs
+    assert metric(url, "kv_push_router_first_token_total", path="decode",
+                  reason="partial_character") == 0
 
 
 def test_concurrent_requests_all_identical(stack, prompts):
