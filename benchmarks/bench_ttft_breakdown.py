@@ -262,6 +262,30 @@ def rel(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+#: vLLM's own per-request histograms read from each server's /metrics around the measured
+#: requests (means: sum / count), to compare P with the single server from the inside
+VLLM_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",  # API process: arrival to the first token
+    "queue": "vllm:request_queue_time_seconds",  # engine: arrival to scheduled
+    "prefill": "vllm:request_prefill_time_seconds",  # engine: scheduled to the first token
+}
+
+
+def vllm_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of :data:`VLLM_HISTOGRAMS` on the server at ``url``."""
+    return {k: (metric(url, name + "_sum"), metric(url, name + "_count"))
+            for k, name in VLLM_HISTOGRAMS.items()}
+
+
+def vllm_means_ms(before: dict, after: dict) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for k in VLLM_HISTOGRAMS:
+        n = after[k][1] - before[k][1]
+        out[k] = (after[k][0] - before[k][0]) / n * 1000 if n > 0 else None
+    out["n"] = after["ttft"][1] - before["ttft"][1]
+    return out
+
+
 def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
               ds: dict[str, Server], routers: dict[str, Server], work: list[list[int]],
               args: argparse.Namespace) -> dict:
@@ -283,6 +307,8 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
                        "p": ps[p_name].pids(),
                        "d": ds[d_name].pids()}
     hits0 = metric(single.url, "vllm:prefix_cache_hits_total")
+    inside = {"single": single.url, **{f"P {n}": srv.url for n, srv in ps.items()}}
+    sums0 = {k: vllm_sums(url) for k, url in inside.items()}
     load0 = os.getloadavg()
     reqs: dict[str, list[dict]] = {k: [] for k in urls}
     names = list(urls)
@@ -312,6 +338,7 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
     # prompt tokens the single server found in its prefix cache during the measured requests
     # (must be 0: every group sends the same prompts, so its salt names the group too)
     single_hits = metric(single.url, "vllm:prefix_cache_hits_total") - hits0
+    vllm_inside = {k: vllm_means_ms(sums0[k], vllm_sums(url)) for k, url in inside.items()}
     records = []
     for server in [*routers.values(), *ps.values(), *ds.values()]:
         records += timing.parse(server.log_text().splitlines())
@@ -320,7 +347,8 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
            "threads": {sys_: {role: len(cpu_waits(pids)) for role, pids in w.items()}
                        for sys_, w in watch.items()},
            "single": single_sum, "single_requests": reqs["single"],
-           "single_prefix_cache_hit_tokens": single_hits, "systems": []}
+           "single_prefix_cache_hit_tokens": single_hits, "vllm_inside_ms": vllm_inside,
+           "systems": []}
     for system, (p_name, d_name) in group["systems"].items():
         per_req = [st for st in (stages_of(records, r) for r in reqs[system] if "ttft" in r) if st]
         summ = summarize(reqs[system])
@@ -447,6 +475,19 @@ def write_md(path: Path, result: dict) -> None:
                 [f"{w1[k]:.2f}" if k in w1 else "-" for k in ("client", "router")] +
                 [f"{w[k]:.2f}" if k in w else "-"
                  for k in ("client", "server", "router", "p", "d")]) + " |")
+    lines += ["", "## The servers' own view (vLLM's histograms, means over the measured "
+              "requests)", "",
+              "What vLLM itself measured in the single server and in P, from its "
+              "`/metrics` before and after the measured requests: `ttft` is "
+              "`vllm:time_to_first_token_seconds` (the API process: the request's arrival to "
+              "its first token there), `queue` and `prefill` the engine's "
+              "`request_queue_time` (arrival to scheduled) and `request_prefill_time` "
+              "(scheduled to the first token). P serves every push system of its group.", "",
+              "| group | server | requests | ttft | queue | prefill |", "|---|---|---|---|---|---|"]
+    for g in result["groups"]:
+        for srv, m in (g.get("vllm_inside_ms") or {}).items():
+            lines.append(f"| {g['group']} | {srv} | {m['n']:.0f} | {f1(m['ttft'])} ms | "
+                         f"{f1(m['queue'])} ms | {f1(m['prefill'])} ms |")
     lines += ["", "How P announced each measured prefill (`p_prefill_done`'s `how`): " + "; ".join(
         f"{sy['system']}: {sy['breakdown']['announced']}" for _, sy in systems) + ". Where the "
         "client's first token came from (the router's `router_first_byte` stamp): " + "; ".join(
