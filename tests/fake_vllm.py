@@ -44,6 +44,7 @@ class Behavior:
     chunk_interval: float = 0.0  # seconds between streamed chunks
     transfer_mode: str = "pull"  # echoed in the prefill role's kv_transfer_params
     no_kv_params: bool = False  # the prefill role returns no kv_transfer_params
+    stream_error_code: int = 500  # that failure's ``code`` (400: vLLM refused the request)
     stream_error: bool = False  # a stream fails before any output, as vLLM's does (HTTP 200,
     # then -- chat: after its role chunk -- an error event and [DONE])
     error_after_output: bool = False  # a stream fails after its content chunks (error event)
@@ -249,8 +250,12 @@ class FakeVLLM:
             if b.delay:
                 await asyncio.wait({watcher}, timeout=b.delay)
             if b.stream_error:
-                err = {"error": {"message": "Internal server error",
-                                 "type": "InternalServerError", "param": None, "code": 500}}
+                err = ({"error": {"message": "Internal server error",
+                                  "type": "InternalServerError", "param": None, "code": 500}}
+                       if b.stream_error_code >= 500 else
+                       {"error": {"message": "token id 999999 is out of vocabulary",
+                                  "type": "BadRequestError", "param": None,
+                                  "code": b.stream_error_code}})
                 # vLLM's chat stream sends its role chunk before it learns of the failure
                 role = ([f"data: {json.dumps(_role_chunk(rid))}\n\n".encode()] if chat else [])
                 for data in (*role, f"data: {json.dumps(err)}\n\n".encode(),
@@ -281,8 +286,12 @@ class FakeVLLM:
                 rec.sent += data
                 yield data
             if b.error_after_output:
-                err = {"error": {"message": "Internal server error",
-                                 "type": "InternalServerError", "param": None, "code": 500}}
+                err = ({"error": {"message": "Internal server error",
+                                  "type": "InternalServerError", "param": None, "code": 500}}
+                       if b.stream_error_code >= 500 else
+                       {"error": {"message": "token id 999999 is out of vocabulary",
+                                  "type": "BadRequestError", "param": None,
+                                  "code": b.stream_error_code}})
                 data = f"data: {json.dumps(err)}\n\n".encode()
                 rec.sent += data
                 yield data

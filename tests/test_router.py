@@ -338,6 +338,28 @@ async def test_an_exchange_without_decode_output_releases_its_prefill(how: str):
         assert sc.rejects == []
 
 
+@pytest.mark.parametrize("endpoint,body", [("/v1/completions", COMPLETION),
+                                           ("/v1/chat/completions", CHAT)])
+async def test_a_stream_that_opens_with_a_4xx_error_event_is_the_clients_refusal(endpoint, body):
+    """vLLM refuses some requests only once its stream has begun (HTTP 200, then an error event
+    with code 400: e.g. a token id outside the vocabulary). That is the client's request, not a
+    failure of D or of the KV path: the stream goes to the client as vLLM sent it, the request
+    counts as rejected, P's prefill is released, and the router does not go looking for a KV
+    cause (no refusal reads, no dial of P's side channel, nothing marked)."""
+    async with cluster() as c:
+        (sc,), (d,) = c.side_channels, c.decodes
+        d.behavior.stream_error, d.behavior.stream_error_code = True, 400
+        status, data, headers = await post(c, endpoint, dict(body, stream=True))
+        assert status == 200 and data == d.records[-1].sent and b'"code": 400' in data
+        tid = c.prefills[0].records[-1].request_id
+        await eventually(lambda: sc.releases == [tid], "P to be told to release it")
+        m = await c.metrics()
+        assert _outcomes(m, endpoint) == {"rejected": 1}
+        assert sc.probes == 0 and c.router.prefill_pool.backends[0].kv_unreachable is None
+        assert not [k for k in m if k[0] == "kv_push_router_upstream_errors_total"
+                    and dict(k[1]).get("leg") == "decode" and m[k]]
+
+
 def _outcomes(m: dict, endpoint: str) -> dict[str, float]:
     return {dict(k[1])["outcome"]: v for k, v in m.items()
             if k[0] == "kv_push_router_requests_total" and dict(k[1])["endpoint"] == endpoint}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kv_push.common.router.sse import MAX_PREAMBLE_EVENTS, StreamHead, classify
+from kv_push.common.router.sse import MAX_PREAMBLE_EVENTS, StreamHead, classify, error_status
 
 
 def ev(obj) -> bytes:
@@ -109,3 +109,26 @@ def test_an_unterminated_last_event_decides():
     head = StreamHead()
     head.feed(ROLE + ERROR.rstrip(b"\n"))
     assert head.end() == "error"
+
+
+@pytest.mark.parametrize("event,status", [
+    (b'data: {"error": {"message": "m", "type": "BadRequestError", "code": 400}}', 400),
+    (b'data: {"error": {"message": "m", "code": 500}}', 500),
+    (b'data: {"error": {"message": "m"}}', None),
+    (b'data: {"error": {"message": "m", "code": "400"}}', None),
+    (b'data: {"error": {"message": "m", "code": true}}', None),
+    (b'data: {"error": "boom"}', None),
+    (b"data: [DONE]", None),
+    (b"data: {not json", None),
+])
+def test_an_error_events_status_is_its_integer_code(event, status):
+    assert error_status(event) == status
+
+
+def test_the_head_keeps_the_error_events_status_also_at_the_streams_end():
+    head = StreamHead()
+    assert head.feed(b'data: {"error": {"message": "m", "code": 400}}\n\n') == "error"
+    assert head.error_status == 400
+    head = StreamHead()
+    assert head.feed(b'data: {"error": {"message": "m", "code": 422}}') is None
+    assert head.end() == "error" and head.error_status == 422

@@ -287,6 +287,7 @@ class DecodeStream:
     first: bytes
     rest: AsyncIterator[bytes] | None
     output: bool = True  # D produced output (False: an error status or event came first)
+    refused: bool = False  # that error event said 4xx: D refused the client's request
 
     @property
     def status_code(self) -> int:
@@ -638,8 +639,10 @@ class Router:
         """D's leg answered: note whether it produced output, and (push mode) that
         this P/D pair works."""
         ex.decode_output = d.output
-        if not d.output:  # its stream opened with an error event: passed on, counted
-            ex.outcome = "decode_error"
+        if not d.output:  # its stream opened with an error event: passed on, counted --
+            # as a rejection where the event says 4xx (the client's request, e.g. a token id
+            # outside the vocabulary: vLLM answers 200, then such an event), as for a 4xx status
+            ex.outcome = "rejected" if d.refused else "decode_error"
         elif self.config.mode == "push" and d.status_code < 400:
             ex.p.backend.kv_unreachable = None
             p_url, d_url, spec = ex.p.backend.url, ex.d.backend.url, ex.p.backend.spec
@@ -793,17 +796,20 @@ class Router:
                         break
                 first, kind = head.data, head.end()
                 output = kind == "output"
-                if not output:  # no output at all
+                refused = kind == "error" and head.error_status is not None \
+                    and 400 <= head.error_status < 500
+                if not output and not refused:  # no output at all, and not the client's
+                    # request refused (an error event with a 4xx code, as with a 4xx status)
                     await self._explain_decode_failure(ex)
                     if kind == "done":
                         raise self.failure(ex, "decode", url, EmptyStream())
             else:
                 first = await resp.aread()
-                output = True
+                output, refused = True, False
             self.metrics.ttfb.labels(**ex.labels).observe(time.perf_counter() - ex.t0)
             if timing.ENABLED:
                 timing.stamp("router_first_byte", ex.tid)
-            return DecodeStream(resp, first, rest, output)
+            return DecodeStream(resp, first, rest, output, refused)
         except BaseException as exc:
             await resp.aclose()
             if isinstance(exc, LEG_ERRORS):

@@ -35,6 +35,19 @@ def sse_events(data: bytes) -> list[bytes]:
     return [e.strip() for e in _EVENT_END.split(data) if e.strip()]
 
 
+def error_status(event: bytes) -> int | None:
+    """The ``code`` of an ``{"error": ...}`` event (vLLM's HTTP status for the failure, e.g.
+    400 for a request it refused), or None."""
+    payload = b"\n".join(ln[5:].strip() for ln in event.strip().splitlines()
+                         if ln.startswith(b"data:"))
+    try:
+        err = json.loads(payload).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else None
+
+
 def classify(event: bytes) -> str:
     """One complete SSE event: ``"preamble"``, ``"output"``, ``"error"`` or ``"done"``."""
     lines = [ln for ln in event.strip().splitlines() if ln.startswith(b"data:")]
@@ -79,6 +92,8 @@ class StreamHead:
         self.kind: str | None = None
         self._scanned = 0
         self._events = 0
+        #: with kind "error": the event's ``code`` (None when it has none)
+        self.error_status: int | None = None
 
     @property
     def data(self) -> bytes:
@@ -92,9 +107,12 @@ class StreamHead:
                 if len(self._buf) - self._scanned > MAX_PREAMBLE_BYTES:
                     self.kind = "output"
                 break
-            kind = classify(bytes(self._buf[self._scanned:m.start()]))
+            event = bytes(self._buf[self._scanned:m.start()])
+            kind = classify(event)
             self._scanned = m.end()
             self._events += 1
+            if kind == "error":
+                self.error_status = error_status(event)
             if kind != "preamble":
                 self.kind = kind
             elif self._events >= MAX_PREAMBLE_EVENTS:
@@ -107,5 +125,7 @@ class StreamHead:
         if self.kind is None:
             rest = bytes(self._buf[self._scanned:]).strip()
             kind = classify(rest) if rest else "done"
+            if kind == "error":
+                self.error_status = error_status(rest)
             self.kind = "done" if kind == "preamble" else kind
         return self.kind
