@@ -196,8 +196,10 @@ def test_streaming_and_chat_through_router(stack, prompts, figures):
     figures("e2e", f"vLLM {stack['version']}: greedy streams whose first token came from P",
             f"{from_p:.0f} of 7")
     assert metric(url, "kv_push_router_first_token_total", path="mismatch") == 0
-    # the router read both servers' builds (builds.py) from real vLLM: one version and model,
-    # so a first token with U+FFFD in its text came from P too
+    # the router read both real servers' builds (builds.py): one version and model, so no
+    # first token that P answered first was left to D for its U+FFFD (P answers first only
+    # in some of these streams on this box: a check of the reading, not of that path, which
+    # test_router_first_token.py covers)
     runs = [line for line in stack["router"].log_text().splitlines() if " runs vLLM " in line]
     for server in (stack["p"], stack["d"]):
         assert any(server.url in line and stack["version"] in line and "tiny" in line

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from kv_push.common.router import builds
 from kv_push.common.router.first_token import DecodeFilter, FirstTokenMismatch, ineligible
 
 from test_router import CHAT, COMPLETION, all_idle, cluster, eventually, post
@@ -295,9 +296,10 @@ async def test_a_partial_character_is_left_to_d_unless_p_and_d_run_one_build(tok
         assert await metric(c, "decode", "partial_character") == 1
 
 
-async def test_a_partial_character_d_holds_back_is_a_mismatch_never_hidden():
+async def test_a_partial_character_d_holds_back_is_a_mismatch_never_hidden_nor_repeated():
     # one build by its version and models, yet D's detokenizer holds the bytes back (other
-    # tokenizer settings): the client has P's U+FFFD, so the stream ends in a counted error
+    # tokenizer settings): the client has P's U+FFFD, so the stream ends in a counted error;
+    # the pair then gets no such token from P again (until a build changes)
     async with cluster(first_token="auto") as c:
         same_tokens(c, ["\ufffd"] + TOKENS[1:])
         c.decodes[0].behavior.tokens = ["", "\u00e9"] + TOKENS[2:]
@@ -308,6 +310,67 @@ async def test_a_partial_character_d_holds_back_is_a_mismatch_never_hidden():
         assert status == 200 and text_of(evs, False) == "\ufffd"
         assert evs[-2]["error"]["type"] == "first_token_mismatch" and evs[-1] == "[DONE]"
         assert await metric(c, "mismatch") == 1
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert status == 200 and data == c.decodes[0].records[-1].sent
+        assert await metric(c, "decode", "partial_character") == 1
+        assert await metric(c, "mismatch") == 1
+
+
+async def test_the_start_up_readings_alone_let_a_partial_character_come_from_p():
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, PARTIAL[0])
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        router = c.router
+        await eventually(lambda: not router.builds.reading(), "the start-up readings")
+        await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert await metric(c, "prefill", "") == 1
+
+
+async def test_a_stale_reading_is_taken_again_at_a_request():
+    async with cluster(first_token="auto") as c:
+        same_tokens(c, PARTIAL[0])
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        router = c.router
+        await eventually(lambda: not router.builds.reading(), "the start-up readings")
+        now = [time.monotonic()]
+        router.builds.clock = lambda: now[0]
+        c.decodes[0].behavior.version = "0.33.0+fake"  # D restarted as another version
+        now[0] += builds.MAX_AGE_S + 1  # stale, still trusted: this request reads it again
+        await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))  # (P's token or D's:
+        # whichever comes first, the new reading or P's answer)
+        await eventually(lambda: not router.builds.reading(), "the reading")
+        assert router.builds.get(router.decode_pool.backends[0].url) == \
+            builds.Build("0.33.0+fake", (("fake-model", "/models/fake"),))
+        before = await metric(c, "decode", "partial_character")
+        await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert await metric(c, "decode", "partial_character") == before + 1
+
+
+async def test_every_decoder_a_leg_may_move_to_must_run_ps_build():
+    # a D leg moves to another D when its own cannot be connected to -- possibly after P's
+    # token went out: P's token must suit any of them
+    async with cluster(first_token="auto", n_d=2) as c:
+        same_tokens(c, PARTIAL[0])
+        for d in c.decodes:
+            d.behavior.delay = 0.3  # P answers first
+        c.decodes[1].behavior.version = "0.29.0+fake"
+        await read_builds(c)
+        for _ in range(2):  # one leg to each D
+            await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert await metric(c, "decode", "partial_character") == 2
+
+
+async def test_a_decoder_that_cannot_be_connected_to_is_forgotten():
+    async with cluster(first_token="auto", dead_decodes=1) as c:
+        same_tokens(c, PARTIAL[0])
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        await read_builds(c)  # the dead one: unknown
+        dead = c.router.decode_pool.backends[0]
+        assert c.router.builds.get(dead.url) is None
+        # its leg moves to the live D; the dead one, now down, is not one it could move to
+        await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert not dead.up(time.monotonic())
+        assert await metric(c, "prefill", "") == 1
 
 
 async def test_a_first_token_that_ends_the_sequence_on_p_is_left_to_d():

@@ -50,7 +50,7 @@ from prometheus_client import generate_latest
 from kv_push.common import timing
 from kv_push.common.auth import SecretError, TransferParamsSigner
 from kv_push.common.metrics import LogLimiter
-from kv_push.common.router.builds import BuildBook, read_build, same_build
+from kv_push.common.router.builds import BuildBook, read_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.first_token import (
@@ -339,6 +339,8 @@ class PrefillFirstStream:
         except FirstTokenMismatch as e:
             ex.outcome = "first_token_mismatch"
             router.metrics.first_token.labels(path="mismatch", reason="").inc()
+            if "\ufffd" in self._text:  # taken from P on the pair's builds: not again
+                router.builds.distrust(ex.p.backend.url, ex.d.backend.url)
             logger.error("tid=%s: %s; the stream is ended with an error", ex.tid, e)
             yield _error_event(f"{e}: the response was cut after the first token "
                                "(--first-token-from-prefill off avoids this)",
@@ -660,22 +662,32 @@ class Router:
     def read_build(self, backend: Backend, force: bool = False) -> None:
         """(push, first token from P) read ``backend``'s build in the background where its
         reading is missing or stale, or ``force`` (``builds.py``)."""
-        if not self._read_builds or self.legs is None or not self.builds.due(backend.url, force):
+        if not self._read_builds or self.legs is None:
+            return
+        gen = self.builds.begin(backend.url, force)
+        if gen is None:
             return
         session, url, proxy = self.legs, backend.url, backend.proxy
 
         async def read() -> None:
-            build = None
             try:
-                build = await read_build(session, url, proxy)
-            finally:
-                self.builds.record(url, build)
+                build, why = await read_build(session, url, proxy)
+            except asyncio.CancelledError:
+                self.builds.cancelled(url, gen)
+                raise
+            except Exception as e:  # never into a task nobody awaits
+                logger.exception("reading the build of %s failed", url)
+                build, why = None, f"{type(e).__name__}: {e}"
+            self.builds.record(url, gen, build, why)
 
         self.adopt(asyncio.get_running_loop().create_task(read()))
 
     def same_build(self, ex: Exchange) -> bool:
-        """Do ``ex``'s P and D run the same vLLM build (as last read)?"""
-        return same_build(self.builds.get(ex.p.backend.url), self.builds.get(ex.d.backend.url))
+        """Do ``ex``'s P and every D its leg may still go to (its own, and any other that is up:
+        ``_next_decode``) run the same vLLM build, as last read (``builds.py``)?"""
+        now = time.monotonic()
+        ds = {ex.d.backend.url} | {b.url for b in self.decode_pool.backends if b.up(now)}
+        return self.builds.same(ex.p.backend.url, ds)
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:
@@ -718,6 +730,7 @@ class Router:
             resp = await self.legs.post(backend.url + endpoint, json=body, headers=headers,
                                         allow_redirects=False, proxy=backend.proxy)
         except CONNECT_ERRORS:
+            self.builds.forget(backend.url)  # it may come back as another build
             wait = backend.unreachable(time.monotonic())
             self.metrics.ejections.labels(role=backend.role).inc()
             # once a minute while it lasts (the rest at DEBUG): a backend that is down is
@@ -973,9 +986,6 @@ class Router:
         headers = {"X-Request-Id": ex.leg_request_id}
         if auth := request.headers.get("authorization"):
             headers["Authorization"] = auth
-        if ex.first_token_off is None:  # readings older than builds.MAX_AGE_S: read again
-            self.read_build(ex.p.backend)
-            self.read_build(ex.d.backend)
         ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex), headers))
         d_params = self._decode_params(ex)
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
@@ -998,6 +1008,10 @@ class Router:
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, d_body, headers))
         if timing.ENABLED:
             timing.stamp("router_legs_sent", ex.tid)
+        if ex.first_token_off is None:  # readings older than builds.MAX_AGE_S: read again
+            # (after the legs' tasks: a reading's GET goes out behind them)
+            self.read_build(ex.p.backend)
+            self.read_build(ex.d.backend)
         waiting: set[asyncio.Future] = {ex.p_task, ex.d_task, ex.disconnect}
         p_error: UpstreamError | None = None  # P's 4xx, while D may still answer
         first_reason = ""  # why P's first token, once P answered, could not be used
