@@ -205,9 +205,11 @@ class FakeVLLM:
         for i in range(n):
             last = i == n - 1
             finish = ("stop" if i == b.eos_at else "length") if last else None
-            if chat:
+            if chat:  # vLLM sets stop_reason on a chat choice's last chunk only
                 choice: dict[str, Any] = {"index": 0, "delta": {"content": self._token(i)},
                                           "logprobs": None, "finish_reason": finish}
+                if last:
+                    choice["stop_reason"] = None
             else:
                 choice = {"index": 0, "text": self._token(i), "logprobs": None,
                           "finish_reason": finish, "stop_reason": None}

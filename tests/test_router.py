@@ -1334,6 +1334,10 @@ async def test_a_dead_prefill_server_is_left_out_after_its_first_failure():
         assert [s for s, _, _ in later] == [200] * 8
         assert len(c.prefills[0].records) == 9
         await eventually(lambda: all_idle(c), "router to be idle")
+        # the dead P never had the failed request: no Release goes to its side channel (a
+        # walkthrough saw one fail against it, counted and logged as a failure)
+        m = await c.metrics()
+        assert not [k for k in m if k[0] == "kv_push_router_releases_total" and m[k]], m
 
 
 async def test_requests_are_steered_away_from_a_pair_known_to_be_incompatible(monkeypatch):

@@ -6,6 +6,7 @@ D, a hang-up or an end of sequence do."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import httpx
@@ -276,7 +277,7 @@ async def test_a_partial_character_comes_from_p_where_p_and_d_run_one_build(toke
         evs = events(data)
         assert status == 200 and text_of(evs, False) == "".join(tokens[:5])
         assert _choice(evs[0], False) == tokens[0]  # P's event, then D's without its copy
-        assert await metric(c, "prefill", "") == 1 and await metric(c, "mismatch") == 0
+        assert await metric(c, "prefill", "partial_character") == 1 and await metric(c, "mismatch") == 0
 
 
 @pytest.mark.parametrize("change", [
@@ -316,14 +317,21 @@ async def test_a_partial_character_d_holds_back_is_a_mismatch_never_hidden_nor_r
         assert await metric(c, "mismatch") == 1
 
 
-async def test_the_start_up_readings_alone_let_a_partial_character_come_from_p():
+async def test_the_start_up_readings_alone_let_a_partial_character_come_from_p(caplog):
+    caplog.set_level(logging.INFO, logger=builds.__name__)
     async with cluster(first_token="auto") as c:
         same_tokens(c, PARTIAL[0])
         c.decodes[0].behavior.delay = 0.3  # P answers first
         router = c.router
         await eventually(lambda: not router.builds.reading(), "the start-up readings")
         await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
-        assert await metric(c, "prefill", "") == 1
+        assert await metric(c, "prefill", "partial_character") == 1
+        # what each backend runs: in the log (by role) and in /health
+        runs = [r.getMessage() for r in caplog.records if " runs vLLM " in r.getMessage()]
+        assert sorted(m.split()[0] for m in runs) == ["decode", "prefill"], runs
+        h = (await c.client.get("/health")).json()
+        assert [b["build"] for b in h["prefill"] + h["decode"]] == [
+            "vLLM 0.32.0+fake, models fake-model (/models/fake)"] * 2
 
 
 async def test_a_stale_reading_is_taken_again_at_a_request():
@@ -370,7 +378,7 @@ async def test_a_decoder_that_cannot_be_connected_to_is_forgotten():
         # its leg moves to the live D; the dead one, now down, is not one it could move to
         await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
         assert not dead.up(time.monotonic())
-        assert await metric(c, "prefill", "") == 1
+        assert await metric(c, "prefill", "partial_character") == 1
 
 
 async def test_a_first_token_that_ends_the_sequence_on_p_is_left_to_d():
@@ -461,7 +469,8 @@ def _sequence(data: bytes, chat: bool) -> list:
         out.append((None if c is None else (
                         ("role" if (c.get("delta") or {}).get("role") else "")
                         + (_choice(e, chat) or "")),
-                    None if c is None else c.get("finish_reason"), e.get("usage")))
+                    None if c is None else c.get("finish_reason"), e.get("usage"),
+                    None if c is None else tuple(sorted(c))))  # the keys vLLM sets
     return out
 
 
@@ -472,9 +481,10 @@ def _sequence(data: bytes, chat: bool) -> list:
                                    {"include_usage": True, "continuous_usage_stats": True}],
                          ids=["usage", "continuous"])
 async def test_the_client_reads_what_a_single_server_streams(endpoint, base, chat, first, usage):
-    # each event's text, finish reason and usage as one vLLM server streams them (a walkthrough
-    # saw, with continuous usage, an extra event and usage counting backwards: D's copy of an
-    # empty token and D's role chunk went out for their usage, P's events had none)
+    # each event's text, finish reason, usage and choice keys as one vLLM server streams them (a
+    # walkthrough saw, with continuous usage, an extra event and usage counting backwards: D's
+    # copy of an empty token and D's role chunk went out for their usage, P's events had none;
+    # another saw P's chat chunk keep the "stop_reason" vLLM sets only on a choice's last chunk)
     tokens = [first, ",", " world", "!", " How"]
     body = dict(base, **GREEDY, stream_options=usage)
     body.pop("max_completion_tokens", None)

@@ -396,6 +396,7 @@ class Exchange:
         #: why the client's first token does not come from P (None: it may; first_token.py)
         self.first_token_off = router.first_token_off(endpoint, body)
         self._closed = False
+        self.p_unsent = False  # P's leg could not be connected (so P holds nothing of it)
         if timing.ENABLED:
             timing.stamp("router_in", self.tid, endpoint=endpoint)
 
@@ -678,7 +679,7 @@ class Router:
             except Exception as e:  # never into a task nobody awaits
                 logger.exception("reading the build of %s failed", url)
                 build, why = None, f"{type(e).__name__}: {e}"
-            self.builds.record(url, gen, build, why)
+            self.builds.record(url, gen, build, why, name=f"{backend.role} {url}")
 
         self.adopt(asyncio.get_running_loop().create_task(read()))
 
@@ -702,7 +703,7 @@ class Router:
         nobody else will make P let go of its prefill -- queue a ``Release`` of its transfer id
         to P's side channel (sent in the background)."""
         spec = ex.p.backend.spec
-        if self.config.mode != "push" or spec is None or spec.kv_host is None:
+        if self.config.mode != "push" or spec is None or spec.kv_host is None or ex.p_unsent:
             return
         assert spec.kv_port is not None
         self.releaser.release(spec.kv_host, spec.kv_port, ex.tid)
@@ -749,7 +750,11 @@ class Router:
         url = ex.p.backend.url
         try:
             try:
-                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
+                try:
+                    resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
+                except CONNECT_ERRORS:
+                    ex.p_unsent = True  # P never had it: nothing there to release
+                    raise
                 try:
                     await resp.aread()
                 finally:
@@ -1047,7 +1052,9 @@ class Router:
                                              replacement_ok=self.same_build(ex))
                     if isinstance(got, tuple):
                         # an empty token (held-back bytes) is P's, but shows the client no text
-                        self._first_token_sent(ex, "prefill", "" if got[1] else "empty_text")
+                        text = got[1]  # empty: held-back bytes; U+FFFD: same build
+                        self._first_token_sent(ex, "prefill", "empty_text" if not text else (
+                            "partial_character" if "\ufffd" in text else ""))
                         if timing.ENABLED:
                             timing.stamp("router_first_byte", ex.tid, source="prefill")
                         return PrefillFirstStream(ex, got[0], got[1], chat)
@@ -1170,6 +1177,8 @@ class Router:
                 entry["not_held"] = b.not_held
             if b.kv_unreachable:
                 entry["kv_unreachable"] = b.kv_unreachable
+            if self._read_builds:  # (first token from P) what it runs, as last read
+                entry["build"] = self.builds.shown(b.url)
             if probe:
                 entry.update(healthy=problems[i] is None, error=problems[i])
             info[b.role].append(entry)

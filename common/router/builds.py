@@ -151,8 +151,10 @@ class BuildBook:
         e.reading = True
         return e.gen
 
-    def record(self, url: str, gen: int, build: Build | None, why: str = "") -> None:
-        """A reading ended: ``build``, or None and why it could not be read."""
+    def record(self, url: str, gen: int, build: Build | None, why: str = "",
+               name: str = "") -> None:
+        """A reading ended: ``build``, or None and why it could not be read (``name``: how the
+        log names the backend; its URL by default)."""
         e = self._entry(url)
         if gen != e.gen:
             return  # begun before a forget or a forced reading: not about the server now
@@ -163,16 +165,22 @@ class BuildBook:
         if shown != e.logged:
             e.logged = shown
             if build is not None:
-                logger.info("%s runs %s", url, build)
+                logger.info("%s runs %s", name or url, build)
             else:
                 logger.info("%s: its vLLM build could not be read (%s): first tokens with "
-                            "partial characters come from D for requests through it", url, why)
+                            "partial characters come from D for requests through it",
+                            name or url, why)
 
     def cancelled(self, url: str, gen: int) -> None:
         """A reading was cancelled (shutdown): nothing is recorded."""
         e = self._entry(url)
         if gen == e.gen:
             e.reading = False
+
+    def shown(self, url: str) -> str | None:
+        """``url``'s build as ``/health`` shows it (None: not read, or no longer trusted)."""
+        build = self.get(url)
+        return None if build is None else str(build)
 
     def forget(self, url: str) -> None:
         """``url`` could not be connected to: its reading no longer counts (it may come back

@@ -154,7 +154,9 @@ def first_token_events(p_body: bytes, chat: bool, replacement_ok: bool = False
         if choice.get("finish_reason") not in (None, "length"):
             return "prefill_stopped"  # an end of sequence or a stop: D says how it ends
         choice["finish_reason"] = None
-        if "stop_reason" in choice:
+        if chat:  # vLLM sets a chat choice's stop_reason on its last chunk only
+            choice.pop("stop_reason", None)
+        elif "stop_reason" in choice:  # a completion's chunks all carry it
             choice["stop_reason"] = None
         if keep:  # (with continuous usage stats its usage is a single server's for that event)
             out.append(_event(obj))
