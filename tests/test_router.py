@@ -360,6 +360,17 @@ async def test_a_stream_that_opens_with_a_4xx_error_event_is_the_clients_refusal
                     and dict(k[1]).get("leg") == "decode" and m[k]]
 
 
+async def test_a_4xx_error_event_after_output_is_the_decode_servers_failure():
+    # once D produced output the request was accepted: a later error event is D's failure
+    async with cluster() as c:
+        (d,) = c.decodes
+        d.behavior.error_after_output, d.behavior.stream_error_code = True, 400
+        status, data, _ = await post(c, "/v1/completions", dict(COMPLETION, stream=True))
+        assert status == 200 and b'"code": 400' in data
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert _outcomes(await c.metrics(), "/v1/completions") == {"decode_error": 1}
+
+
 def _outcomes(m: dict, endpoint: str) -> dict[str, float]:
     return {dict(k[1])["outcome"]: v for k, v in m.items()
             if k[0] == "kv_push_router_requests_total" and dict(k[1])["endpoint"] == endpoint}
@@ -1334,6 +1345,7 @@ async def test_a_dead_prefill_server_is_left_out_after_its_first_failure():
         assert [s for s, _, _ in later] == [200] * 8
         assert len(c.prefills[0].records) == 9
         await eventually(lambda: all_idle(c), "router to be idle")
+        await eventually(lambda: not c.router.releaser.busy(), "releaser idle")
         # the dead P never had the failed request: no Release goes to its side channel (a
         # walkthrough saw one fail against it, counted and logged as a failure)
         m = await c.metrics()

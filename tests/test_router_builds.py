@@ -126,6 +126,22 @@ def test_unreadable_backends_are_tried_again_later_and_later():
     assert book.begin("u") is None
 
 
+def test_a_backend_that_cannot_be_connected_to_backs_off_as_an_unreadable_one():
+    clock = Clock()
+    book = BuildBook(clock=clock)
+    _read_now(book, "u", B32)
+    book.forget("u")
+    assert book.get("u") is None and book.begin("u") is None  # not at every request ...
+    clock.now += builds.RETRY_S + 0.1
+    gen = book.begin("u")
+    assert gen is not None  # ... after the back-off
+    book.forget("u")  # still down: the reading under way is thrown away, the wait doubles
+    clock.now += builds.RETRY_S + 0.1
+    assert book.begin("u") is None
+    clock.now += builds.RETRY_S
+    assert book.begin("u") is not None
+
+
 def test_a_reading_begun_before_a_forget_or_a_forced_reading_is_thrown_away():
     book = BuildBook(clock=Clock())
     _read_now(book, "u", B32)
@@ -147,8 +163,8 @@ def test_a_mismatch_distrusts_the_pair_until_a_build_changes(caplog):
     for url in ("p", "d", "d2"):
         _read_now(book, url, B32)
     with caplog.at_level(logging.WARNING, logger=builds.__name__):
-        book.distrust("p", "d")
-        book.distrust("p", "d")
+        book.distrust("p", "d", B32)
+        book.distrust("p", "d", B32)
     assert len([r for r in caplog.records if "differed" in r.getMessage()]) == 1
     assert not book.same("p", ["d"]) and book.same("p", ["d2"])
     for url in ("p", "d"):  # both upgraded: a new pair of builds

@@ -368,6 +368,22 @@ async def test_every_decoder_a_leg_may_move_to_must_run_ps_build():
         assert await metric(c, "decode", "partial_character") == 2
 
 
+async def test_a_decoder_whose_connection_fails_loses_its_reading():
+    # it may come back as another build: what was read of it no longer counts
+    async with cluster(first_token="auto", dead_decodes=1) as c:
+        same_tokens(c, PARTIAL[0])
+        c.decodes[0].behavior.delay = 0.3  # P answers first
+        await read_builds(c)
+        router = c.router
+        dead = router.decode_pool.backends[0]
+        build = router.builds.get(router.prefill_pool.backends[0].url)
+        router.builds.record(dead.url, router.builds.begin(dead.url, force=True), build)
+        assert router.builds.get(dead.url) == build  # as if it had answered before it died
+        await post(c, "/v1/completions", dict(COMPLETION, **GREEDY))
+        assert router.builds.get(dead.url) is None and not dead.up(time.monotonic())
+        assert await metric(c, "prefill", "partial_character") == 1
+
+
 async def test_a_decoder_that_cannot_be_connected_to_is_forgotten():
     async with cluster(first_token="auto", dead_decodes=1) as c:
         same_tokens(c, PARTIAL[0])

@@ -50,7 +50,7 @@ from prometheus_client import generate_latest
 from kv_push.common import timing
 from kv_push.common.auth import SecretError, TransferParamsSigner
 from kv_push.common.metrics import LogLimiter
-from kv_push.common.router.builds import BuildBook, read_build
+from kv_push.common.router.builds import Build, BuildBook, read_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.first_token import (
@@ -105,7 +105,8 @@ class Metrics:
             "what became of their release to P (sent, failed, dropped)", ["result"], registry=r)
         self.first_token = Counter(
             p + "first_token", "Streaming push requests by where the client's first token came "
-            "from (path: prefill, decode, mismatch) and why not from P (reason)",
+            "from (path: prefill, decode, mismatch) and why (reason; path decode: why not from P, "
+            "path prefill: empty_text, partial_character or none)",
             ["path", "reason"], registry=r)
         # the mismatch series exists from the start: "0 mismatches" is readable, not absent
         self.first_token.labels(path="mismatch", reason="")
@@ -339,8 +340,9 @@ class PrefillFirstStream:
         except FirstTokenMismatch as e:
             ex.outcome = "first_token_mismatch"
             router.metrics.first_token.labels(path="mismatch", reason="").inc()
-            if "\ufffd" in self._text:  # taken from P on the pair's builds: not again
-                router.builds.distrust(ex.p.backend.url, ex.d.backend.url)
+            if "\ufffd" in self._text and ex.build_checked is not None:  # taken from P on
+                # the pair's build: not again on it
+                router.builds.distrust(ex.p.backend.url, ex.d.backend.url, ex.build_checked)
             logger.error("tid=%s: %s; the stream is ended with an error", ex.tid, e)
             yield _error_event(f"{e}: the response was cut after the first token "
                                "(--first-token-from-prefill off avoids this)",
@@ -397,6 +399,9 @@ class Exchange:
         self.first_token_off = router.first_token_off(endpoint, body)
         self._closed = False
         self.p_unsent = False  # P's leg could not be connected (so P holds nothing of it)
+        #: (first token from P) the build P and the decoders were read as when P's token with
+        #: U+FFFD was taken (Router.same_build)
+        self.build_checked: Build | None = None
         if timing.ENABLED:
             timing.stamp("router_in", self.tid, endpoint=endpoint)
 
@@ -663,8 +668,9 @@ class Router:
     def read_build(self, backend: Backend, force: bool = False) -> None:
         """(push, first token from P) read ``backend``'s build in the background where its
         reading is missing or stale, or ``force`` (``builds.py``)."""
-        if not self._read_builds or self.legs is None:
-            return
+        if not self._read_builds or self.legs is None \
+                or not (force or backend.up(time.monotonic())):
+            return  # (a backend that is down is read when it is back: _post_leg)
         gen = self.builds.begin(backend.url, force)
         if gen is None:
             return
@@ -685,10 +691,13 @@ class Router:
 
     def same_build(self, ex: Exchange) -> bool:
         """Do ``ex``'s P and every D its leg may still go to (its own, and any other that is up:
-        ``_next_decode``) run the same vLLM build, as last read (``builds.py``)?"""
+        ``_next_decode``) run the same vLLM build, as last read (``builds.py``)? Where they do,
+        ``ex.build_checked`` is that build (a mismatch then distrusts the pair at it)."""
         now = time.monotonic()
         ds = {ex.d.backend.url} | {b.url for b in self.decode_pool.backends if b.up(now)}
-        return self.builds.same(ex.p.backend.url, ds)
+        same = self.builds.same(ex.p.backend.url, ds)
+        ex.build_checked = self.builds.get(ex.p.backend.url) if same else None
+        return same
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:
@@ -816,8 +825,12 @@ class Router:
                 output = kind == "output"
                 refused = kind == "error" and head.error_status is not None \
                     and 400 <= head.error_status < 500
-                if not output and not refused:  # no output at all, and not the client's
-                    # request refused (an error event with a 4xx code, as with a 4xx status)
+                if refused:
+                    logger.info("tid=%s decode leg: the server refused the request after its "
+                                "200 (an error event with code %d); passed on as sent", ex.tid,
+                                head.error_status)
+                elif not output:  # no output at all, and not the client's request refused
+                    # (an error event with a 4xx code, as with a 4xx status)
                     await self._explain_decode_failure(ex)
                     if kind == "done":
                         raise self.failure(ex, "decode", url, EmptyStream())
@@ -1014,9 +1027,11 @@ class Router:
         if timing.ENABLED:
             timing.stamp("router_legs_sent", ex.tid)
         if ex.first_token_off is None:  # readings older than builds.MAX_AGE_S: read again
-            # (after the legs' tasks: a reading's GET goes out behind them)
+            # (after the legs' tasks: a reading's GET goes out behind them), P's and those of
+            # every decoder P's token must suit (same_build), chosen by this request or not
             self.read_build(ex.p.backend)
-            self.read_build(ex.d.backend)
+            for b in self.decode_pool.backends:
+                self.read_build(b)
         waiting: set[asyncio.Future] = {ex.p_task, ex.d_task, ex.disconnect}
         p_error: UpstreamError | None = None  # P's 4xx, while D may still answer
         first_reason = ""  # why P's first token, once P answered, could not be used

@@ -27,7 +27,11 @@ When readings are taken (always in the background; nothing on a request's path w
 * a backend that could not be connected to is forgotten at once (:meth:`BuildBook.forget`),
   and read again (forced) when it can be connected to again; a reading begun before either is
   thrown away when it ends (each URL's readings are numbered);
-* an unreadable backend is tried again after :data:`RETRY_S`, doubling up to :data:`MAX_AGE_S`.
+* an unreadable backend is tried again after :data:`RETRY_S`, doubling up to :data:`MAX_AGE_S`
+  (a connection that failed counts as such a reading); a backend that is down is not read
+  until it is back;
+* the readings of every decoder that is up are kept fresh at each such request (P's token must
+  suit any decoder the leg may move to).
 
 Each backend's build is logged at INFO when first read and whenever it changes, an unreadable
 one with why.
@@ -49,7 +53,7 @@ logger = logging.getLogger(__name__)
 MAX_AGE_S = 30.0
 #: seconds before an unreadable backend (not up yet, say) is tried again; doubles up to MAX_AGE_S
 RETRY_S = 1.0
-#: seconds one reading may take
+#: seconds one reading (both GETs) may take
 READ_TIMEOUT_S = 5.0
 
 
@@ -70,23 +74,21 @@ class Build:
 async def read_build(session: aiohttp.ClientSession, url: str, proxy: str | None
                      ) -> tuple[Build | None, str]:
     """GET ``url``/version and ``url``/v1/models: (the build, "") or (None, why not)."""
-    timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S)
-
     async def get(path: str) -> tuple[int, Any]:
-        async with session.get(url + path, proxy=proxy, timeout=timeout,
-                               allow_redirects=False) as resp:
+        async with session.get(url + path, proxy=proxy, allow_redirects=False) as resp:
             if resp.status != 200:
                 return resp.status, None
             return 200, await resp.json(content_type=None)
 
     try:
-        status, ver = await get("/version")
-        if status != 200:
-            return None, f"GET /version answered HTTP {status}"
-        version = ver.get("version") if isinstance(ver, dict) else None
-        if not isinstance(version, str) or not version:
-            return None, "GET /version named no version"
-        status, listing = await get("/v1/models")
+        async with asyncio.timeout(READ_TIMEOUT_S):  # both GETs together
+            status, ver = await get("/version")
+            if status != 200:
+                return None, f"GET /version answered HTTP {status}"
+            version = ver.get("version") if isinstance(ver, dict) else None
+            if not isinstance(version, str) or not version:
+                return None, "GET /version named no version"
+            status, listing = await get("/v1/models")
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         return None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     if status in (401, 403):  # behind --api-key: the version alone
@@ -186,7 +188,9 @@ class BuildBook:
         """``url`` could not be connected to: its reading no longer counts (it may come back
         as another build), and one under way is thrown away."""
         e = self._entry(url)
-        e.build, e.gen, e.reading, e.failures = None, e.gen + 1, False, 0
+        # as a failed reading: the next is due after the back-off, not at the next request
+        e.build, e.gen, e.reading = None, e.gen + 1, False
+        e.read_at, e.failures = self.clock(), e.failures + 1
 
     def same(self, p_url: str, d_urls: Iterable[str]) -> bool:
         """Does P at ``p_url`` run the same build as every D in ``d_urls``, as read, with no
@@ -200,11 +204,12 @@ class BuildBook:
                 return False
         return True
 
-    def distrust(self, p_url: str, d_url: str) -> None:
-        """A token with U+FFFD from P did not match D's: no more such tokens from this P for
-        this D until either's reading changes."""
-        p, d = self.get(p_url), self.get(d_url)
-        if p is None or d is None or (p_url, d_url, p, d) in self._distrusted:
+    def distrust(self, p_url: str, d_url: str, build: Build) -> None:
+        """A token with U+FFFD from P did not match D's, where both were read as ``build``
+        when P's token was taken: no more such tokens from this P for this D until either's
+        reading changes."""
+        p = d = build
+        if (p_url, d_url, p, d) in self._distrusted:
             return
         self._distrusted.add((p_url, d_url, p, d))
         logger.warning("prefill %s and decode %s both report %s, yet a first token with "
