@@ -62,6 +62,16 @@ class Behavior:
     model_root: str = "/models/fake"  # the ``root`` of its one model in GET /v1/models
 
 
+def _stream_error(code: int) -> dict:
+    """The error event vLLM streams after its 200: a failure (5xx) or a refused request (4xx,
+    e.g. a token id outside the vocabulary)."""
+    if code >= 500:
+        return {"error": {"message": "Internal server error", "type": "InternalServerError",
+                          "param": None, "code": code}}
+    return {"error": {"message": "token id 999999 is out of vocabulary",
+                      "type": "BadRequestError", "param": None, "code": code}}
+
+
 def _role_chunk(rid: str) -> dict:
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 1700000000,
             "model": "fake-model", "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -252,12 +262,7 @@ class FakeVLLM:
             if b.delay:
                 await asyncio.wait({watcher}, timeout=b.delay)
             if b.stream_error:
-                err = ({"error": {"message": "Internal server error",
-                                  "type": "InternalServerError", "param": None, "code": 500}}
-                       if b.stream_error_code >= 500 else
-                       {"error": {"message": "token id 999999 is out of vocabulary",
-                                  "type": "BadRequestError", "param": None,
-                                  "code": b.stream_error_code}})
+                err = _stream_error(b.stream_error_code)
                 # vLLM's chat stream sends its role chunk before it learns of the failure
                 role = ([f"data: {json.dumps(_role_chunk(rid))}\n\n".encode()] if chat else [])
                 for data in (*role, f"data: {json.dumps(err)}\n\n".encode(),
@@ -288,12 +293,7 @@ class FakeVLLM:
                 rec.sent += data
                 yield data
             if b.error_after_output:
-                err = ({"error": {"message": "Internal server error",
-                                  "type": "InternalServerError", "param": None, "code": 500}}
-                       if b.stream_error_code >= 500 else
-                       {"error": {"message": "token id 999999 is out of vocabulary",
-                                  "type": "BadRequestError", "param": None,
-                                  "code": b.stream_error_code}})
+                err = _stream_error(b.stream_error_code)
                 data = f"data: {json.dumps(err)}\n\n".encode()
                 rec.sent += data
                 yield data
