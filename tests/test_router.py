@@ -356,8 +356,10 @@ async def test_a_stream_that_opens_with_a_4xx_error_event_is_the_clients_refusal
         m = await c.metrics()
         assert _outcomes(m, endpoint) == {"rejected": 1}
         assert sc.probes == 0 and c.router.prefill_pool.backends[0].kv_unreachable is None
-        assert not [k for k in m if k[0] == "kv_push_router_upstream_errors_total"
-                    and dict(k[1]).get("leg") == "decode" and m[k]]
+        # counted as a 4xx status is, and nothing else on D's leg
+        assert {dict(k[1])["kind"]: v for k, v in m.items() if v
+                and k[0] == "kv_push_router_upstream_errors_total"
+                and dict(k[1]).get("leg") == "decode"} == {"http_4xx": 1}
 
 
 async def test_a_4xx_error_event_after_output_is_the_decode_servers_failure():

@@ -825,7 +825,8 @@ class Router:
                 output = kind == "output"
                 refused = kind == "error" and head.error_status is not None \
                     and 400 <= head.error_status < 500
-                if refused:
+                if refused:  # counted and logged as a 4xx status is (failure())
+                    self.metrics.upstream_errors.labels(leg="decode", kind="http_4xx").inc()
                     logger.info("tid=%s decode leg: the server refused the request after its "
                                 "200 (an error event with code %d); passed on as sent", ex.tid,
                                 head.error_status)
