@@ -81,7 +81,7 @@ import httpx
 from bench_meta import source_commit
 from kv_push.common import timing
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
-                                                 router, vllm_server)
+                                                 metric_in, router, vllm_server)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -272,8 +272,9 @@ VLLM_HISTOGRAMS = {
 
 
 def vllm_sums(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each of :data:`VLLM_HISTOGRAMS` on the server at ``url``."""
-    return {k: (metric(url, name + "_sum"), metric(url, name + "_count"))
+    """(sum, count) of each of :data:`VLLM_HISTOGRAMS` on the server at ``url`` (one read)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {k: (metric_in(text, name + "_sum"), metric_in(text, name + "_count"))
             for k, name in VLLM_HISTOGRAMS.items()}
 
 

@@ -85,13 +85,13 @@ def test_unknown_is_never_the_same_build_and_every_decoder_counts():
     book = BuildBook(clock=Clock())
     _read_now(book, "p", B32)
     _read_now(book, "d1", B32)
-    assert book.same("p", ["d1"])
-    assert not book.same("p", ["d1", "d2"])  # d2 never read
+    assert book.common("p", ["d1"]) == B32
+    assert book.common("p", ["d1", "d2"]) is None  # d2 never read
     _read_now(book, "d2", B29)
-    assert not book.same("p", ["d1", "d2"]) and not book.same("p", ["d2"])
+    assert book.common("p", ["d1", "d2"]) is None and book.common("p", ["d2"]) is None
     _read_now(book, "d3", Build("0.32.0", (("m", "/other"),)))
-    assert not book.same("p", ["d3"])
-    assert not book.same("never", ["d1"])
+    assert book.common("p", ["d3"]) is None
+    assert book.common("never", ["d1"]) is None
 
 
 def test_a_reading_is_redone_when_stale_and_untrusted_soon_after():
@@ -166,10 +166,10 @@ def test_a_mismatch_distrusts_the_pair_until_a_build_changes(caplog):
         book.distrust("p", "d", B32)
         book.distrust("p", "d", B32)
     assert len([r for r in caplog.records if "differed" in r.getMessage()]) == 1
-    assert not book.same("p", ["d"]) and book.same("p", ["d2"])
+    assert book.common("p", ["d"]) is None and book.common("p", ["d2"]) == B32
     for url in ("p", "d"):  # both upgraded: a new pair of builds
         book.record(url, book.begin(url, force=True), Build("0.33.0", B32.models))
-    assert book.same("p", ["d"])
+    assert book.common("p", ["d"]) == Build("0.33.0", B32.models)
 
 
 def test_each_backend_is_logged_when_first_read_and_when_it_changes(caplog):

@@ -260,7 +260,7 @@ async def read_builds(c) -> None:
     router = c.router
     await eventually(lambda: not router.builds.reading(), "the start-up readings")
     for b in router.prefill_pool.backends + router.decode_pool.backends:
-        router.read_build(b, force=True)
+        router.refresh_build(b, force=True)
     await eventually(lambda: not router.builds.reading(), "the readings")
 
 

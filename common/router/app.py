@@ -399,8 +399,8 @@ class Exchange:
         self.first_token_off = router.first_token_off(endpoint, body)
         self._closed = False
         self.p_unsent = False  # P's leg could not be connected (so P holds nothing of it)
-        #: (first token from P) the build P and the decoders were read as when P's token with
-        #: U+FFFD was taken (Router.same_build)
+        #: (first token from P) the build P and the decoders were read as when P answered
+        #: (Router.common_build; None: not one), which a mismatch then distrusts
         self.build_checked: Build | None = None
         if timing.ENABLED:
             timing.stamp("router_in", self.tid, endpoint=endpoint)
@@ -582,7 +582,7 @@ class Router:
                                           sock_connect=c.connect_timeout, sock_read=c.timeout),
             skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
         for b in self.prefill_pool.backends + self.decode_pool.backends:
-            self.read_build(b)
+            self.refresh_build(b)
 
     async def stop(self) -> None:
         await self.releaser.close()
@@ -665,7 +665,7 @@ class Router:
 
         self.adopt(asyncio.get_running_loop().create_task(read()))
 
-    def read_build(self, backend: Backend, force: bool = False) -> None:
+    def refresh_build(self, backend: Backend, force: bool = False) -> None:
         """(push, first token from P) read ``backend``'s build in the background where its
         reading is missing or stale, or ``force`` (``builds.py``)."""
         if not self._read_builds or self.legs is None \
@@ -689,15 +689,12 @@ class Router:
 
         self.adopt(asyncio.get_running_loop().create_task(read()))
 
-    def same_build(self, ex: Exchange) -> bool:
-        """Do ``ex``'s P and every D its leg may still go to (its own, and any other that is up:
-        ``_next_decode``) run the same vLLM build, as last read (``builds.py``)? Where they do,
-        ``ex.build_checked`` is that build (a mismatch then distrusts the pair at it)."""
+    def common_build(self, ex: Exchange) -> Build | None:
+        """The vLLM build ``ex``'s P and every D its leg may still go to (its own, and any other
+        that is up: ``_next_decode``) run, as last read (``builds.py``); None if not one."""
         now = time.monotonic()
         ds = {ex.d.backend.url} | {b.url for b in self.decode_pool.backends if b.up(now)}
-        same = self.builds.same(ex.p.backend.url, ds)
-        ex.build_checked = self.builds.get(ex.p.backend.url) if same else None
-        return same
+        return self.builds.common(ex.p.backend.url, ds)
 
     def _first_token_sent(self, ex: Exchange, source: str, reason: str) -> None:
         if not ex.stream:
@@ -751,7 +748,7 @@ class Router:
             raise
         if backend.reachable():
             logger.info("%s %s can be connected to again", backend.role, backend.url)
-            self.read_build(backend, force=True)  # it may have been restarted with another
+            self.refresh_build(backend, force=True)  # it may have been restarted with another
         return LegResponse(resp)
 
     async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
@@ -759,11 +756,7 @@ class Router:
         url = ex.p.backend.url
         try:
             try:
-                try:
-                    resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
-                except CONNECT_ERRORS:
-                    ex.p_unsent = True  # P never had it: nothing there to release
-                    raise
+                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
                 try:
                     await resp.aread()
                 finally:
@@ -778,6 +771,8 @@ class Router:
                 if not isinstance(data, dict):
                     raise ValueError("response is not a JSON object")
             except (*LEG_ERRORS, ValueError) as exc:
+                # not connected: P never had it, nothing there to release
+                ex.p_unsent = isinstance(exc, CONNECT_ERRORS)
                 raise self.failure(ex, "prefill", url, exc) from None
             if self.config.mode == "push":
                 self._check_held(ex, data)
@@ -1029,10 +1024,10 @@ class Router:
             timing.stamp("router_legs_sent", ex.tid)
         if ex.first_token_off is None:  # readings older than builds.MAX_AGE_S: read again
             # (after the legs' tasks: a reading's GET goes out behind them), P's and those of
-            # every decoder P's token must suit (same_build), chosen by this request or not
-            self.read_build(ex.p.backend)
+            # every decoder P's token must suit (common_build), chosen by this request or not
+            self.refresh_build(ex.p.backend)
             for b in self.decode_pool.backends:
-                self.read_build(b)
+                self.refresh_build(b)
         waiting: set[asyncio.Future] = {ex.p_task, ex.d_task, ex.disconnect}
         p_error: UpstreamError | None = None  # P's 4xx, while D may still answer
         first_reason = ""  # why P's first token, once P answered, could not be used
@@ -1064,8 +1059,9 @@ class Router:
                 # cancels D
                 if ex.first_token_off is None:
                     chat = ex.endpoint.endswith("chat/completions")
+                    ex.build_checked = self.common_build(ex)
                     got = first_token_events(p_out.get("sse") or b"", chat,
-                                             replacement_ok=self.same_build(ex))
+                                             replacement_ok=ex.build_checked is not None)
                     if isinstance(got, tuple):
                         # an empty token (held-back bytes) is P's, but shows the client no text
                         text = got[1]  # empty: held-back bytes; U+FFFD: same build

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import aiohttp
@@ -108,7 +108,7 @@ class _Entry:
     failures: int = 0  # unreadable readings in a row
     gen: int = 0  # the current reading number: a reading of an older one is thrown away
     reading: bool = False  # a reading of ``gen`` is under way
-    logged: Any = field(default=None)  # what was last logged (a Build, or the reason text)
+    logged: Any = None  # what was last logged (a Build, or the reason text)
 
 
 class BuildBook:
@@ -117,7 +117,8 @@ class BuildBook:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._entries: dict[str, _Entry] = {}
-        self._distrusted: set[tuple[str, str, Build, Build]] = set()
+        #: (P's URL, D's URL, the build both were read as) where a token with U+FFFD mismatched
+        self._distrusted: set[tuple[str, str, Build]] = set()
 
     def _entry(self, url: str) -> _Entry:
         return self._entries.setdefault(url, _Entry())
@@ -192,27 +193,25 @@ class BuildBook:
         e.build, e.gen, e.reading = None, e.gen + 1, False
         e.read_at, e.failures = self.clock(), e.failures + 1
 
-    def same(self, p_url: str, d_urls: Iterable[str]) -> bool:
-        """Does P at ``p_url`` run the same build as every D in ``d_urls``, as read, with no
-        mismatch on record for the pair at these builds?"""
+    def common(self, p_url: str, d_urls: Iterable[str]) -> Build | None:
+        """The build P at ``p_url`` and every D in ``d_urls`` run, as read, where no mismatch
+        is on record for one of these pairs at it; else None."""
         p = self.get(p_url)
         if p is None:
-            return False
+            return None
         for d_url in d_urls:
-            d = self.get(d_url)
-            if d is None or d != p or (p_url, d_url, p, d) in self._distrusted:
-                return False
-        return True
+            if self.get(d_url) != p or (p_url, d_url, p) in self._distrusted:
+                return None
+        return p
 
     def distrust(self, p_url: str, d_url: str, build: Build) -> None:
         """A token with U+FFFD from P did not match D's, where both were read as ``build``
         when P's token was taken: no more such tokens from this P for this D until either's
         reading changes."""
-        p = d = build
-        if (p_url, d_url, p, d) in self._distrusted:
+        if (p_url, d_url, build) in self._distrusted:
             return
-        self._distrusted.add((p_url, d_url, p, d))
+        self._distrusted.add((p_url, d_url, build))
         logger.warning("prefill %s and decode %s both report %s, yet a first token with "
                        "partial characters differed between them (other tokenizer settings or "
                        "environments?): such tokens come from D for this pair until either's "
-                       "build changes", p_url, d_url, p)
+                       "build changes", p_url, d_url, build)

@@ -35,13 +35,17 @@ def sse_events(data: bytes) -> list[bytes]:
     return [e.strip() for e in _EVENT_END.split(data) if e.strip()]
 
 
+def _payload(event: bytes) -> bytes | None:
+    """An SSE event's data (its ``data:`` lines joined), None when it has none."""
+    lines = [ln[5:].strip() for ln in event.strip().splitlines() if ln.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
+
+
 def error_status(event: bytes) -> int | None:
     """The ``code`` of an ``{"error": ...}`` event (vLLM's HTTP status for the failure, e.g.
     400 for a request it refused), or None."""
-    payload = b"\n".join(ln[5:].strip() for ln in event.strip().splitlines()
-                         if ln.startswith(b"data:"))
     try:
-        err = json.loads(payload).get("error")
+        err = json.loads(_payload(event) or b"").get("error")
     except (ValueError, AttributeError):
         return None
     code = err.get("code") if isinstance(err, dict) else None
@@ -50,10 +54,9 @@ def error_status(event: bytes) -> int | None:
 
 def classify(event: bytes) -> str:
     """One complete SSE event: ``"preamble"``, ``"output"``, ``"error"`` or ``"done"``."""
-    lines = [ln for ln in event.strip().splitlines() if ln.startswith(b"data:")]
-    if not lines:
+    payload = _payload(event)
+    if payload is None:
         return "preamble"  # a comment or other field: carries nothing
-    payload = b"\n".join(ln[5:].strip() for ln in lines)
     if payload == b"[DONE]":
         return "done"
     try:
@@ -107,12 +110,9 @@ class StreamHead:
                 if len(self._buf) - self._scanned > MAX_PREAMBLE_BYTES:
                     self.kind = "output"
                 break
-            event = bytes(self._buf[self._scanned:m.start()])
-            kind = classify(event)
+            kind = self._judge(bytes(self._buf[self._scanned:m.start()]))
             self._scanned = m.end()
             self._events += 1
-            if kind == "error":
-                self.error_status = error_status(event)
             if kind != "preamble":
                 self.kind = kind
             elif self._events >= MAX_PREAMBLE_EVENTS:
@@ -124,8 +124,13 @@ class StreamHead:
         (output stays output); nothing but preamble is ``"done"``."""
         if self.kind is None:
             rest = bytes(self._buf[self._scanned:]).strip()
-            kind = classify(rest) if rest else "done"
-            if kind == "error":
-                self.error_status = error_status(rest)
+            kind = self._judge(rest) if rest else "done"
             self.kind = "done" if kind == "preamble" else kind
         return self.kind
+
+    def _judge(self, event: bytes) -> str:
+        """``classify``, noting an error event's status."""
+        kind = classify(event)
+        if kind == "error":
+            self.error_status = error_status(event)
+        return kind

@@ -250,7 +250,11 @@ def build_tiny_model(out: Path) -> Path:
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples matching ``labels`` (0 when absent)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return metric_in(httpx.get(f"{url}/metrics", timeout=10).text, name, **labels)
+
+
+def metric_in(text: str, name: str, **labels: str) -> float:
+    """:func:`metric` over an exposition already read (several metrics from one read)."""
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):
