@@ -6,6 +6,9 @@ Systems (each on its own freshly started servers; a connector is fixed at start-
 
 * ``push``          -- ``KVPushConnector`` (this project) on P and D, ``kv-push-router --mode
                        push`` (both legs at once; P writes into D's blocks);
+* ``push-first``    -- the same with the router's ``--first-token-from-prefill auto``: the
+                       client's first token is P's (this benchmark's requests qualify: greedy,
+                       streamed, one choice), D's stream follows;
 * ``pull``          -- vLLM's ``NixlConnector``, ``--mode pull`` (P first, then D with P's
                        ``kv_transfer_params``; D reads), as vLLM's example proxy does it;
 * ``upstream-push`` -- vLLM's ``NixlPushConnector``, ``--mode upstream-push``: both legs at
@@ -65,7 +68,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_client import arrivals, make_prompts, run_closed, run_point, warm_up  # noqa: E402
 from serving_load import RULES, LoadMonitor, judge, pass_load, raw_loadavg  # noqa: E402
-from serving_stats import (CONC1, GOAL_VS_PULL, GOAL_VS_UPSTREAM, fmt_ratio,  # noqa: E402
+from serving_stats import (CONC1, GOAL_VS_PULL, GOAL_VS_UPSTREAM, OURS, fmt_ratio,  # noqa: E402
                            goal_figures, kept, point_key, pooled_summary, rate_cap,
                            ratio_table, round_sequence, saturation, summarize)
 
@@ -76,10 +79,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 SYSTEMS = {  # name -> (connector on P and D, router mode); single: one server, no router
     "push": ("push", "push"),
+    "push-first": ("push", "push"),
     "pull": ("NixlConnector", "pull"),
     "upstream-push": ("NixlPushConnector", "upstream-push"),
     "single": (None, None),
 }
+ROUTER_ARGS = {"push-first": ["--first-token-from-prefill", "auto"]}
 SERVER_HISTOGRAMS = ("e2e_request_latency_seconds", "request_queue_time_seconds",
                      "request_prefill_time_seconds", "time_to_first_token_seconds")
 
@@ -129,7 +134,8 @@ class Stack:
         if connector is None:
             s = self._add(vllm_server("single", python=a.python, model=a.model, port=self.ports(),
                                       cpu=a.p_cpu, log_dir=self.log_dir,
-                                      max_model_len=a.max_model_len))
+                                      max_model_len=a.max_model_len,
+                                      whole_server_on_cpu=a.pin == "server"))
             s.wait_healthy(a.start_timeout)
             self.d, self.url = s, s.url
             return time.monotonic() - t0
@@ -142,11 +148,13 @@ class Stack:
         p = self._add(vllm_server("prefill", python=a.python, model=a.model, port=self.ports(),
                                   cpu=a.p_cpu, log_dir=self.log_dir, kv_role="kv_producer",
                                   kv_port=kv_port, connector=connector, extra_config=extra,
-                                  max_model_len=a.max_model_len, engine_id=engine_id))
+                                  max_model_len=a.max_model_len, engine_id=engine_id,
+                                  whole_server_on_cpu=a.pin == "server"))
         d = self._add(vllm_server("decode", python=a.python, model=a.model, port=self.ports(),
                                   cpu=a.d_cpu, log_dir=self.log_dir, kv_role="kv_consumer",
                                   kv_port=self.ports(), connector=connector, extra_config=extra,
-                                  max_model_len=a.max_model_len))
+                                  max_model_len=a.max_model_len,
+                                  whole_server_on_cpu=a.pin == "server"))
         p.wait_healthy(a.start_timeout)
         d.wait_healthy(a.start_timeout)
         mode = self.router_mode
@@ -155,7 +163,8 @@ class Stack:
         self.router_mode = mode
         prefill = [(p.url, kv_port, engine_id)] if engine_id else [(p.url, kv_port)]
         r = self._add(router(python=a.python, port=self.ports(), prefill=prefill,
-                             decode=[d.url], log_dir=self.log_dir, mode=mode))
+                             decode=[d.url], log_dir=self.log_dir, mode=mode,
+                             extra_args=ROUTER_ARGS.get(self.system)))
         r.wait_healthy(60)
         self.p, self.d, self.url = p, d, r.url
         return time.monotonic() - t0
@@ -537,12 +546,16 @@ def markdown_report(path: str) -> str:
                     f"{'–' if tr is None else f'{tr:.2f}'} | "
                     f"{','.join(str(p) for p in s.get('passes', []))} |")
         lines += ["", f"TTFT ratios, {title}:", "",
-                  "| point | push/pull p50 | p90 | push/upstream-push p50 | p90 | push/single p50 "
-                  "| p90 |", "|---|---|---|---|---|---|---|"]
+                  "| point | system | /pull p50 | p90 | /upstream-push p50 | p90 | /single p50 "
+                  "| p90 |", "|---|---|---|---|---|---|---|---|"]
         for key, r in ratios.items():
-            lines.append(f"| {key} | " + " | ".join(fmt_ratio(r[f"push_over_{b}_{q}"])
-                                                     for b in ("pull", "upstream_push", "single")
-                                                     for q in ("p50", "p90")) + " |")
+            for ours in OURS:
+                o = ours.replace("-", "_")
+                if f"{o}_over_single_p50" not in r:
+                    continue
+                lines.append(f"| {key} | {ours} | " + " | ".join(
+                    fmt_ratio(r[f"{o}_over_{b}_{q}"]) for b in ("pull", "upstream_push", "single")
+                    for q in ("p50", "p90")) + " |")
         lines.append("")
     g = dict(data.get("goals") or {})
     if g:
@@ -562,6 +575,9 @@ def markdown_report(path: str) -> str:
                              f"{', '.join(g['low_load_points'])}) | {q} | "
                              f"{fmt_ratio(lo[f'worst_ratio_vs_{base}'])} | <= 1.0 | "
                              f"{lo[f'never_worse_vs_{base}']} |")
+            for what, v in (g.get(f"conc1_vs_single_{q}") or {}).items():
+                lines.append(f"| {what.replace(' at ', ' / single at ')} | {q} | "
+                             f"{fmt_ratio(v['ratio'])} | <= {v['goal']} | {v['met']} |")
     lines += ["", "| pass | router mode | start-up s | load rule | pass load | raw 1m mean | "
               "foreign 1m mean | own CPU (cores) mean | verdict |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -619,7 +635,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="smoke: one round, rates 2,8, 4 s per rate point (~6-10 min)")
-    ap.add_argument("--systems", default="pull,push,upstream-push,single",
+    ap.add_argument("--systems", default="pull,push,push-first,upstream-push,single",
                     help="order of round 1 (round 2 is reversed); pull first so its "
                          "saturation rate is known before the others run")
     ap.add_argument("--rounds", type=int, default=None, help="default 2 (--quick 1)")
@@ -661,6 +677,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     ap.add_argument("--p-cpu", type=int, default=0, help="P's core (and the single server's)")
     ap.add_argument("--d-cpu", type=int, default=1)
+    ap.add_argument("--pin", choices=("server", "worker"), default="server",
+                    help="server: each vLLM server's every process (API server, engine core, "
+                         "worker) on its core, as on a machine of its own; worker: only its "
+                         "workers' OpenMP threads (bench_ttft_breakdown.py says why server)")
     ap.add_argument("--port-base", type=int, default=28000,
                     help="servers take free ports from here up (1000 of them)")
     ap.add_argument("--max-model-len", type=int, default=1024)

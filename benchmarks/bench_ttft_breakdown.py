@@ -29,6 +29,13 @@ single server, which stays up, found them in its prefix cache in every group aft
 * ``first``: one P and one D behind two routers, the client's first token taken from P's leg
   (the router's ``--first-token-from-prefill auto``) against from D's stream (``off``, the
   router's default).
+* ``prefill_poll``: two P and one D, the first token from P: P's transfer thread backing off
+  while a registration waits for its prefill (``prefill_wait_poll_s`` default) against polling
+  NIXL every ``idle_poll_s`` through the prefill (``0.001``: as before the setting existed).
+
+``--burst N`` sends each system N requests back to back (each when the previous one ended, as a
+closed-loop client at concurrency 1 does, e.g. ``bench_serving.py``'s concurrency-1 point)
+before the gap and the next system.
 
 Measuring on a small box (2 cores here; ``--pin``, ``--gap-s``, as of 2026-12-04 16:00):
 
@@ -109,6 +116,17 @@ GROUPS = {
              "d": {"d-idle-wait": {}, "d-no-idle-wait": {"idle_step_wait_s": 0}},
              "systems": {"push idle_step_wait_s=0.002": ("p", "d-idle-wait"),
                          "push idle_step_wait_s=0": ("p", "d-no-idle-wait")}},
+    # two P, one D, the first token from P: P's thread backing off while a registration waits
+    # for its prefill (prefill_wait_poll_s default) against polling NIXL every idle_poll_s
+    # through the prefill (as before the setting existed)
+    "prefill_poll": {"p": {"p-backoff": {}, "p-poll": {"prefill_wait_poll_s": 0.001}},
+                     "d": {"d": {}},
+                     "systems": {"push prefill_wait_poll_s=0.02": ("p-backoff", "d"),
+                                 "push prefill_wait_poll_s=0.001": ("p-poll", "d")},
+                     "router_args": {
+                         "push prefill_wait_poll_s=0.02": ["--first-token-from-prefill", "auto"],
+                         "push prefill_wait_poll_s=0.001": ["--first-token-from-prefill",
+                                                            "auto"]}},
 }
 
 #: the stages of a push request in the order it meets them (common/timing.py)
@@ -313,26 +331,29 @@ def run_group(name: str, group: dict, single: Server, ps: dict[str, Server],
     load0 = os.getloadavg()
     reqs: dict[str, list[dict]] = {k: [] for k in urls}
     names = list(urls)
-    for i, prompt in enumerate(work):
-        k = i % len(names)
+    for i in range(0, len(work), args.burst):
+        k = (i // args.burst) % len(names)
         for system in names[k:] + names[:k]:
-            # servers first, the client last: the bench's own reading stays out of the
-            # client's and the router's windows as far as it can
-            roles = sorted(watch[system], key=("p", "d", "server", "router", "client").index)
-            before = {role: cpu_waits(watch[system][role]) for role in roles}
+            for j, prompt in enumerate(work[i:i + args.burst]):
+                # servers first, the client last: the bench's own reading stays out of the
+                # client's and the router's windows as far as it can
+                roles = sorted(watch[system], key=("p", "d", "server", "router", "client").index)
+                before = {role: cpu_waits(watch[system][role]) for role in roles}
 
-            def at_first(rec: dict, system: str = system, before: dict = before) -> None:
-                # the client's and the router's waits up to the first token (a few threads:
-                # quick to read; the servers' many threads are read at the end only)
-                rec["cpu_wait_first_ms"] = {
-                    role: waited_ms(before[role], cpu_waits(watch[system][role]))
-                    for role in ("client", "router") if role in watch[system]}
+                def at_first(rec: dict, system: str = system, before: dict = before) -> None:
+                    # the client's and the router's waits up to the first token (a few
+                    # threads: quick to read; the servers' many threads are read at the end)
+                    rec["cpu_wait_first_ms"] = {
+                        role: waited_ms(before[role], cpu_waits(watch[system][role]))
+                        for role in ("client", "router") if role in watch[system]}
 
-            rec = one_request(client, urls[system], prompt, args.max_tokens,
-                              f"{name}:{system}" if args.salt else None, at_first)
-            rec["cpu_wait_ms"] = {role: waited_ms(before[role], cpu_waits(watch[system][role]))
-                                  for role in roles}
-            reqs[system].append(rec)
+                rec = one_request(client, urls[system], prompt, args.max_tokens,
+                                  f"{name}:{system}" if args.salt else None, at_first)
+                rec["cpu_wait_ms"] = {role: waited_ms(before[role],
+                                                      cpu_waits(watch[system][role]))
+                                      for role in roles}
+                rec["in_burst"] = j  # 0: after a gap; > 0: right after the previous one ended
+                reqs[system].append(rec)
             time.sleep(args.gap_s)
     load1 = os.getloadavg()
     client.close()
@@ -386,10 +407,14 @@ def write_md(path: Path, result: dict) -> None:
         "",
         f"`{m['command']}` at {m['date']} ({m['notes'] or 'commit ' + m['commit']}), vLLM CPU "
         f"build, tiny model (block 128), prompt {m['prompt_len']} tokens, {m['max_tokens']} "
-        f"output tokens (streamed), {m['requests']} requests per system, one at a time, each "
-        f"prompt to every system of its group in rotating order, {m.get('gap_s', 0.05)} s "
-        "apart; " + ("each server's every process on its core (`--pin server`)"
-                     if m.get("pin") == "server" else "only the servers' workers pinned") +
+        f"output tokens (streamed), {m['requests']} requests per system, one at a time, "
+        + (f"each prompt to every system of its group in rotating order, "
+           f"{m.get('gap_s', 0.05)} s apart; " if m.get("burst", 1) == 1 else
+           f"{m['burst']} prompts to each system of its group back to back (each sent when the "
+           "previous one ended, as a closed-loop client at concurrency 1), the systems in "
+           f"rotating order, {m.get('gap_s', 0.05)} s apart; ")
+        + ("each server's every process on its core (`--pin server`)"
+           if m.get("pin") == "server" else "only the servers' workers pinned") +
         (f"; the routers' threads at nice {m['router_nice']}" if m.get("router_nice") else "")
         + f". {m['cpus']} cores: see the load averages.",
         "",
@@ -523,6 +548,11 @@ def main() -> None:
                     help="each system's requests carry their own cache_salt: systems sharing a "
                     "P or a D (every group here) would otherwise meet each prompt a second time "
                     "in that server's prefix cache (--no-salt: as runs before 2026-12-04)")
+    ap.add_argument("--burst", type=int, default=1,
+                    help="requests each system gets one right after the other (as a closed-"
+                         "loop client at concurrency 1 sends them: bench_serving.py's conc1 "
+                         "point) before --gap-s and the next system; 1: every request after a "
+                         "gap")
     ap.add_argument("--router-nice", type=int, default=0,
                     help="nice value of the routers' threads (e.g. -10, as root): on a box where "
                     "P's and D's cores are busy while a request runs, how much of the P/D "
@@ -600,7 +630,8 @@ def main() -> None:
                        "host": platform.node(), "cpus": os.cpu_count(),
                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                        "requests": args.requests, "extra_config": extra, "notes": args.notes,
-                       "salt": args.salt, "gap_s": args.gap_s, "pin": args.pin,
+                       "salt": args.salt, "gap_s": args.gap_s, "burst": args.burst,
+                       "pin": args.pin,
                        "router_nice": args.router_nice,
                        "timing": args.timing,
                        "log_dir": str(log_dir)},

@@ -14,6 +14,10 @@ import numpy as np
 
 GOAL_VS_PULL = 0.6       # our TTFT at the highest load <= 0.6x pull's
 GOAL_VS_UPSTREAM = 0.8   # ... and <= 0.8x upstream push's; never worse at low load
+GOAL_VS_SINGLE = 1.3     # at concurrency 1: <= 1.3x a single server's TTFT (issue 12 item 4)
+#: our P/D systems: the router's default (first token from D) and with the first token from P
+#: (``--first-token-from-prefill auto``); ratios and the single-server goal are given for each
+OURS = ("push", "push-first")
 CONC1 = "conc1"          # the concurrency-1 (closed loop, one request at a time) point's sweep
 
 
@@ -139,26 +143,34 @@ def ttft_of(summary: dict, system: str, key: str, q: str) -> float | None:
 
 def ratio_table(summary: dict, points: list[dict]) -> dict:
     """{point key: {push_over_pull_p50, ..._p90, push_over_upstream_push_p50, ..._p90,
-    push_over_single_p50, ...}} for every point with push data."""
+    push_over_single_p50, ..., and the same as push_first_over_... where ``push-first`` ran}}
+    for every point with data of one of :data:`OURS`."""
     out = {}
     for p in points:
         key = point_key(p)
-        if key not in summary.get("push", {}):
-            continue
         row = {}
-        for base in ("pull", "upstream-push", "single"):
-            for q in ("p50", "p90"):
-                row[f"push_over_{base.replace('-', '_')}_{q}"] = ratio(
-                    ttft_of(summary, "push", key, q), ttft_of(summary, base, key, q))
-        out[key] = row
+        for ours in OURS:
+            if key not in summary.get(ours, {}):
+                continue
+            for base in ("pull", "upstream-push", "single"):
+                for q in ("p50", "p90"):
+                    row[f"{_ident(ours)}_over_{_ident(base)}_{q}"] = ratio(
+                        ttft_of(summary, ours, key, q), ttft_of(summary, base, key, q))
+        if row:
+            out[key] = row
     return out
+
+
+def _ident(system: str) -> str:
+    return system.replace("-", "_")
 
 
 def goal_figures(summary: dict, points: list[dict]) -> dict:
     """The issue's goals: at the highest load -- the highest rate at which both push and pull
     have successful requests -- push's TTFT p50 and p90 <= 0.6x pull's and <= 0.8x upstream
     push's; at low load (the concurrency-1 point and the lowest rate) push never worse (ratio
-    <= 1) than either."""
+    <= 1) than either; at concurrency 1, each of :data:`OURS` that ran <= 1.3x the single
+    server (``conc1_vs_single_{q}``)."""
     rate_pts = sorted((p for p in points if p["sweep"] == "rate"), key=lambda p: p["rate"])
     both = [point_key(p) for p in rate_pts
             if ttft_of(summary, "push", point_key(p), "p50") is not None
@@ -192,6 +204,15 @@ def goal_figures(summary: dict, points: list[dict]) -> dict:
             entry[f"worst_ratio_vs_{base}"] = max((v for v in vals if v is not None),
                                                   default=None)
         out[f"low_load_{q}"] = entry
+        # issue 12 item 4: at concurrency 1, <= GOAL_VS_SINGLE x the single server, per system
+        single = {}
+        for ours in OURS:
+            for k in (k for k in low_keys if k.startswith(CONC1)):
+                v = ratio(ttft_of(summary, ours, k, q), ttft_of(summary, "single", k, q))
+                if v is not None:
+                    single[f"{ours} at {k}"] = {"ratio": v, "goal": GOAL_VS_SINGLE,
+                                                "met": v <= GOAL_VS_SINGLE}
+        out[f"conc1_vs_single_{q}"] = single
     return out
 
 

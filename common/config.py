@@ -81,6 +81,12 @@ class PushConfig:
     #: once. At 1 ms an idle worker spent ~8% of a core polling NIXL (2026-12-04, CPU box)
     quiet_poll_s: float = 0.02
     quiet_after_s: float = 1.0
+    #: how long it sleeps while what it holds waits only for a hand-off from the engine (a
+    #: producer's registrations waiting for their prefills, whose hand-off wakes it): polling
+    #: NIXL meanwhile takes CPU from the prefill on the producer's cores. A decoder's Cancel of
+    #: such a registration is answered up to this much later. ``idle_poll_s`` polls as before
+    #: 2026-12-05
+    prefill_wait_poll_s: float = 0.02
     #: how long it sleeps between polls while a decoder waits for a WRITE (a registered want):
     #: over UCX the WRITE into D and its notice progress only while D polls
     await_poll_s: float = 0.0002
@@ -124,7 +130,7 @@ class PushConfig:
         for name in (
             "heartbeat_interval_s", "rendezvous_ttl_s", "transfer_timeout_s",
             "handshake_timeout_s", "idle_poll_s", "await_poll_s", "cancel_retry_s",
-            "fence_timeout_s", "quiet_poll_s",
+            "fence_timeout_s", "quiet_poll_s", "prefill_wait_poll_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")

@@ -802,6 +802,13 @@ class Producer:
                     or self.orphans or self.streams or self.deferred or self._ending
                     or (self.staged is not None and self.staged.live()))
 
+    def expecting(self) -> bool:
+        """Prefills held, done or streaming layer by layer: a registration for one starts its
+        WRITE at once, so the thread polls every ``idle_poll_s``. Registrations waiting for
+        their prefill are not: the prefill's hand-off wakes the thread, which then reads any
+        registration that came meanwhile (``transfer_thread``, module doc 4.)."""
+        return bool(self.sources or self.streams)
+
     def awaiting(self) -> bool:
         """A layer-wise job waits for packs enqueued behind the prefill: poll every
         ``await_poll_s``."""

@@ -22,17 +22,23 @@ Everything that touches the agent runs here; everything else only hands work in.
 4. sleep: spin (yield the GIL briefly) while a role has work in flight -- NIXL over UCX only
    progresses when called, on both sides -- else wait on the wake event up to ``await_poll_s``
    while a role awaits a peer's WRITE (a decoder's registered want: the WRITE into it and its
-   notice progress only while it polls; a sleep, not a spin), else up to ``idle_poll_s``; when
-   quiet -- no role holds anything that a peer's message could be awaited for (``holding``),
-   and for ``quiet_after_s`` nothing but heartbeats came and nothing was handed in -- up to
-   ``quiet_poll_s`` (and never past the next heartbeat). Whatever the engine or the side
+   notice progress only while it polls; a sleep, not a spin), else up to ``idle_poll_s`` while
+   a role holds work a peer's message would move on at once (``expecting``: a producer's
+   prefill that a registration may still come for), else up to ``prefill_wait_poll_s`` while
+   what is held waits only for a hand-off (``holding``: a registration waiting for its
+   prefill, whose hand-off wakes the thread; so a producer does not poll NIXL through its
+   engine's prefill on the cores that run it), else up to ``idle_poll_s`` for
+   ``quiet_after_s`` after anything but a heartbeat came or was handed in, else (quiet) up to
+   ``quiet_poll_s``; never past the next heartbeat. Whatever the engine or the side
    channel hands in sets the wake event, so a new request is never slowed by the back-off: a
    producer learns of its prefill by a hand-off, which wakes it, and reads the registration
    that came meanwhile in the same step. A peer's message to a quiet worker is noticed up to
    ``quiet_poll_s`` later; the ones a peer then waits for are refusals and answers that a
    producer gives from memory after it let go of the request (a registration for a transfer
    it tombstoned or that the router released: ``TransferFailed``; a cancel it already
-   answered: ``CancelAck``) -- failure and preemption paths, not a served request's.
+   answered: ``CancelAck``), and a decoder's ``Cancel`` of a registration whose prefill is
+   still running (answered up to ``prefill_wait_poll_s`` later: the decoder's blocks stay
+   fenced that much longer) -- failure and preemption paths, not a served request's.
 
 ``close()`` stops the loop, lets the WRITEs in flight finish (at most half the close time-out;
 their completions are sent as usual), says goodbye to every peer it is no longer writing to, closes
@@ -120,8 +126,16 @@ class Role(Protocol):
 
     def holding(self) -> bool:
         """True while the role holds anything a peer's message may be awaited for (a prefill,
-        a registration, a want, a handshake, a WRITE): the thread then never backs off to
-        ``quiet_poll_s``. Optional: absent means always."""
+        a registration, a want, a handshake, a WRITE): the thread then does not go quiet
+        (``quiet_poll_s``); where nothing of it is ``expecting`` it polls every
+        ``prefill_wait_poll_s``. Optional: absent means always."""
+
+    def expecting(self) -> bool:
+        """True while the role holds work that a peer's message would move on at once (a
+        producer's prefill that a registration may still come for): the thread then polls every
+        ``idle_poll_s``. What the role holds beyond that waits for a hand-off, which wakes the
+        thread (a registration waiting for its prefill), so the thread backs off meanwhile
+        (``prefill_wait_poll_s``). Optional: absent means ``holding``."""
 
 
 class RoleContext(Protocol):
@@ -471,18 +485,33 @@ class TransferThread:
         if self._awaiting():
             self._stirred = now
             return self.config.await_poll_s
-        if self._holding():  # never quiet, whatever quiet_after_s is (0 included)
+        if self._expecting():  # never quiet, whatever quiet_after_s is (0 included)
             self._stirred = now
             return self.config.idle_poll_s
-        if now - self._stirred < self.config.quiet_after_s:
+        if self._holding():  # only what a hand-off moves on (a registration waiting for
+            # its prefill): back off, never past the next heartbeat
+            pause = self.config.prefill_wait_poll_s
+        elif now - self._stirred < self.config.quiet_after_s:
             return self.config.idle_poll_s
-        return max(self.config.idle_poll_s, min(self.config.quiet_poll_s, self._next_hb - now))
+        else:
+            pause = self.config.quiet_poll_s
+        return max(self.config.idle_poll_s, min(pause, self._next_hb - now))
 
     def _holding(self) -> bool:
         try:
             return any(getattr(role, "holding", _always)() for role in self.roles)
         except Exception:  # as for awaiting(): never let bookkeeping stop the loop
             logger.exception("kv_push: holding() failed")
+            return True
+
+    def _expecting(self) -> bool:
+        """A role holds work that a peer's message would move on at once (``Role.expecting``;
+        a role without it: whatever it holds)."""
+        try:
+            return any(getattr(role, "expecting", getattr(role, "holding", _always))()
+                       for role in self.roles)
+        except Exception:  # as for holding(): never let bookkeeping stop the loop
+            logger.exception("kv_push: expecting() failed")
             return True
 
     def _awaiting(self) -> bool:

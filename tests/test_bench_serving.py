@@ -172,6 +172,27 @@ def test_goals_fail_when_push_is_slower():
     assert g["low_load_p50"]["never_worse_vs_upstream_push"] is None
 
 
+def test_concurrency_1_goal_against_the_single_server_per_system():
+    # issue 12 item 4: push (first token from D) and push-first (from P) each against single
+    runs = [run("push", K[0], [0.04] * 5), run("push-first", K[0], [0.025] * 5),
+            run("single", K[0], [0.02] * 5), run("push", K[1], [0.1] * 5),
+            run("single", K[1], [0.01] * 5)]  # a rate point: not part of this goal
+    s = ss.pooled_summary(runs, ["push", "push-first", "single"], K)
+    g = ss.goal_figures(s, POINTS)["conc1_vs_single_p50"]
+    assert set(g) == {f"push at {K[0]}", f"push-first at {K[0]}"}
+    assert g[f"push at {K[0]}"]["ratio"] == pytest.approx(2.0)
+    assert g[f"push at {K[0]}"]["met"] is False
+    assert g[f"push-first at {K[0]}"]["ratio"] == pytest.approx(1.25)
+    assert g[f"push-first at {K[0]}"]["met"] is True
+    r = ss.ratio_table(s, POINTS)
+    assert r[K[0]]["push_first_over_single_p50"] == pytest.approx(1.25)
+    assert r[K[0]]["push_over_single_p50"] == pytest.approx(2.0)
+    assert "push_first_over_single_p50" not in r[K[1]]  # push-first did not run there
+    # without a single server (or without our systems) there is nothing to judge
+    s2 = ss.pooled_summary(runs[:2], ["push", "push-first"], K)
+    assert ss.goal_figures(s2, POINTS)["conc1_vs_single_p50"] == {}
+
+
 # -- load discipline ---------------------------------------------------------------------------
 
 def test_parse_proc_stat_and_task_stat():
@@ -271,7 +292,8 @@ def test_report_of_a_results_file(tmp_path):
 def test_parse_args_defaults_and_quick():
     import bench_serving as bs
     a = bs.parse_args([])
-    assert a.systems == ["pull", "push", "upstream-push", "single"]
+    assert a.systems == ["pull", "push", "push-first", "upstream-push", "single"]
+    assert a.pin == "server"
     assert a.rounds == 2 and a.budget_s == 1320 and a.load_rule == "foreign"
     q = bs.parse_args(["--quick", "--load-rule", "raw"])
     assert q.rounds == 1 and q.rates == [2.0, 8.0] and q.load_rule == "raw"

@@ -154,11 +154,13 @@ def test_rendezvous_in_either_order_writes_once_and_releases(order):
         assert b.writes() == [] and b.got() == []
         assert b.p.count("registrations_early") == 1
         assert b.producer.holding()  # the registration waits for its prefill
+        assert not b.producer.expecting()  # ... whose hand-off wakes the thread
         b.prefill()
     else:
         b.prefill()
         assert b.writes() == [] and b.released == [] and b.producer.live()["sources"] == 1
         assert b.producer.holding()  # the prefill waits for its registration
+        assert b.producer.expecting()  # ... which would start the WRITE at once
         b.register()
         assert b.p.count("registrations_late") == 1
     # one WRITE of prompt blocks 0-1 into D blocks 2-3: per layer, K and V, one merged region
@@ -175,6 +177,7 @@ def test_rendezvous_in_either_order_writes_once_and_releases(order):
             b.p.count("regions_written")) == (1, 1, 8 * BLOCK_BYTES, 4)
     assert b.idle() and b.producer.tombstones == {("D", "d-1"): 0.0}
     assert not b.producer.holding()  # tombstones are not waited on
+    assert not b.producer.expecting()
 
 
 @pytest.mark.parametrize("limit,chunks", [(dict(max_post_regions=1), 4),

@@ -818,6 +818,54 @@ def test_a_quiet_thread_backs_off_and_anything_but_a_heartbeat_stirs_it():
     t.close()
 
 
+@dataclass
+class ExpectingRole(SwitchedRole):
+    """A ``SwitchedRole`` that also says whether what it holds is ``expecting``."""
+    expects: bool = False
+
+    def expecting(self) -> bool:
+        return self.expects
+
+
+def test_holding_only_what_a_hand_off_moves_on_backs_off_at_once():
+    """A role that holds something but expects no peer's message to move it on (a producer's
+    registration waiting for its prefill: the prefill's hand-off wakes the thread) does not
+    keep the thread at ``idle_poll_s``: it backs off to ``prefill_wait_poll_s`` at once, even
+    right after work came, never past the next heartbeat. Expecting work keeps it at
+    ``idle_poll_s``; awaiting a WRITE at ``await_poll_s``."""
+    role = ExpectingRole()
+    t, clock = _quiet_thread(role, quiet_after_s=1.0, await_poll_s=0.0002,
+                             prefill_wait_poll_s=0.03, heartbeat_interval_s=4.0)
+    t.step()  # first heartbeats (none: no peer); just started, stirred
+    assert t._sleep_s() == 0.001  # nothing held, stirred: idle_poll_s for quiet_after_s
+    role.held = True  # a registration came; its prefill is running
+    assert t._sleep_s() == 0.03  # backs off at once although just stirred
+    clock.t = 150.0
+    t.step()  # (a heartbeat was due)
+    assert t._sleep_s() == 0.03
+    clock.t = 150.99
+    assert t._sleep_s() == pytest.approx(0.01)  # never past the next heartbeat
+    role.expects = True  # the prefill was handed in: its registration may come any moment
+    assert t._sleep_s() == 0.001
+    role.awaits = True
+    assert t._sleep_s() == 0.0002
+    role.awaits = role.expects = role.held = False  # written and released
+    clock.t = 150.995
+    t.step()
+    assert t._sleep_s() == 0.001  # quiet_after_s of grace after expecting work
+    clock.t = 152.0
+    t.step()
+    assert t._sleep_s() == 0.05  # quiet
+    # a role without expecting() expects whatever it holds (as before the rule existed)
+    plain = SwitchedRole(held=True)
+    t.add_role(plain)
+    assert t._sleep_s() == 0.001
+    plain.held = False
+    role.held = True
+    assert t._sleep_s() == 0.03
+    t.close()
+
+
 def _quiet_thread(role, **cfg) -> tuple[TransferThread, FakeClock]:
     """An unstarted thread with ``role`` on a fake clock at 100 s (idle 1 ms, quiet 50 ms)."""
     clock = FakeClock(100.0)
