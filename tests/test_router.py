@@ -279,6 +279,52 @@ def test_upstream_push_with_a_secret_warns_that_nothing_will_be_transferred(monk
     assert not any("s3cret" in r.getMessage() for r in caplog.records)
 
 
+async def test_completion_endpoints_bypass_fastapi_and_the_rest_goes_through_it(monkeypatch):
+    """RouterApp hands POST /v1/completions and /v1/chat/completions to Router.handle itself
+    (FastAPI's layers cost the first token ~0.2 ms each way); everything else, other methods on
+    those paths included, and the lifespan go to the FastAPI app."""
+    from fastapi.responses import PlainTextResponse
+
+    from kv_push.common.router.config import parse_args
+
+    config, _ = parse_args(["--prefill", "http://127.0.0.1:1,kv=127.0.0.1:2",
+                            "--decode", "http://127.0.0.1:3"])
+    monkeypatch.delenv("KV_PUSH_SECRET", raising=False)
+    app = build_app(config)
+    handled, passed = [], []
+
+    async def handle(request, endpoint):
+        handled.append((request.method, endpoint))
+        return PlainTextResponse("ok")
+
+    async def fastapi(scope, receive, send):
+        passed.append((scope["type"], scope.get("method"), scope.get("path")))
+
+    monkeypatch.setattr(app.state.router, "handle", handle)
+    app.fastapi = fastapi
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    def http(method, path):
+        return {"type": "http", "method": method, "path": path, "headers": [],
+                "query_string": b"", "root_path": ""}
+
+    await app(http("POST", "/v1/completions"), receive, send)
+    await app(http("POST", "/v1/chat/completions"), receive, send)
+    await app(http("GET", "/v1/completions"), receive, send)
+    await app(http("GET", "/health"), receive, send)
+    await app({"type": "lifespan"}, receive, send)
+    assert handled == [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+    assert passed == [("http", "GET", "/v1/completions"), ("http", "GET", "/health"),
+                      ("lifespan", None, None)]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200, 200]
+
+
 async def test_push_late_prefill_failure_lets_decode_finish():
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes
