@@ -36,12 +36,14 @@ default only load foreign to the benchmark counts (``--load-rule foreign``); ``-
 takes the kernel's load average as it is.
 
 Output: ``--out`` JSON (``runs`` with ``system`` and per-request ``ttft``; ``summary`` pooled
-over kept passes; ``ratios`` push/pull, push/upstream-push, push/single per point; ``goals``;
+over kept passes; ``ratios`` push/pull, push/upstream-push, push/single per point, and the same
+for push-first; ``goals``, with push's and push-first's concurrency-1 TTFT against the single
+server's (``conc1_vs_single``);
 ``stacks`` with every pass's load figures) and a PNG through ``examples/plot_push_vs_pull.py``.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_serving.py            # full: ~22 min (--budget-s 1320)
+    .venv/bin/python benchmarks/bench_serving.py            # full: ~28 min (--budget-s 1650)
     .venv/bin/python benchmarks/bench_serving.py --quick    # smoke: ~6-8 min
 """
 
@@ -688,7 +690,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="total time budget; stacks and points past it are skipped (default "
-                         "1320, --quick 600)")
+                         "330 s per system, 1650 for the five; --quick 150 per system)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "serving.json"))
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     ap.add_argument("--no-plot", action="store_true")
@@ -706,8 +708,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.min_requests = a.min_requests or (6 if q else 10)
     a.conc1_requests = a.conc1_requests or (6 if q else 16)
     a.rounds = a.rounds or (1 if q else 2)
-    a.budget_s = a.budget_s or (600.0 if q else 1320.0)
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    a.budget_s = a.budget_s or (150.0 if q else 330.0) * len(a.systems)
     for s in a.systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")

@@ -565,6 +565,8 @@ def main() -> None:
                     help="JSON merged into P's and D's kv_connector_extra_config")
     ap.add_argument("--notes", default="")
     args = ap.parse_args()
+    if args.burst < 1:
+        ap.error("--burst must be at least 1")
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ttft-breakdown-"))
     log_dir.mkdir(parents=True, exist_ok=True)

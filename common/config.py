@@ -84,8 +84,8 @@ class PushConfig:
     #: how long it sleeps while what it holds waits only for a hand-off from the engine (a
     #: producer's registrations waiting for their prefills, whose hand-off wakes it): polling
     #: NIXL meanwhile takes CPU from the prefill on the producer's cores. A decoder's Cancel of
-    #: such a registration is answered up to this much later. ``idle_poll_s`` polls as before
-    #: 2026-12-05
+    #: such a registration is answered up to this much later. Set it to ``idle_poll_s`` to poll
+    #: as before 2026-12-05
     prefill_wait_poll_s: float = 0.02
     #: how long it sleeps between polls while a decoder waits for a WRITE (a registered want):
     #: over UCX the WRITE into D and its notice progress only while D polls

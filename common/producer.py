@@ -803,11 +803,12 @@ class Producer:
                     or (self.staged is not None and self.staged.live()))
 
     def expecting(self) -> bool:
-        """Prefills held, done or streaming layer by layer: a registration for one starts its
-        WRITE at once, so the thread polls every ``idle_poll_s``. Registrations waiting for
-        their prefill are not: the prefill's hand-off wakes the thread, which then reads any
-        registration that came meanwhile (``transfer_thread``, module doc 4.)."""
-        return bool(self.sources or self.streams)
+        """Prefills held, done, failed or streaming layer by layer: a registration for one
+        starts its WRITE (or is refused) at once, so the thread polls every ``idle_poll_s``.
+        Registrations waiting for their prefill are not: the prefill's hand-off wakes the
+        thread, which then reads any registration that came meanwhile (``transfer_thread``,
+        module doc 4.)."""
+        return bool(self.sources or self.streams or self.rdv.holds_failed())
 
     def awaiting(self) -> bool:
         """A layer-wise job waits for packs enqueued behind the prefill: poll every

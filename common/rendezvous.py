@@ -169,6 +169,10 @@ class Rendezvous:
     def __contains__(self, rdv_key: RdvKey) -> bool:
         return rdv_key in self._entries
 
+    def holds_failed(self) -> bool:
+        """A failed prefill (``Source.failure``) waits here for the registrations it refuses."""
+        return any(h.source.failure for e in self._entries.values() for h in e.sources.values())
+
     @property
     def num_claims(self) -> int:
         return len(self._claims)

@@ -254,7 +254,8 @@ class TransferThread:
         self._stop = threading.Event()
         self._hb_seq = 0
         self._next_hb = 0.0
-        self._stirred = clock()  # the last time work came or a role held something (_sleep_s)
+        self._stirred = clock()  # the last time work or a message came, or a role was busy,
+        # awaiting or expecting (_sleep_s)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         self._drain_s = 0.0  # close(): how long WRITEs in flight may take to finish

@@ -294,9 +294,11 @@ def test_parse_args_defaults_and_quick():
     a = bs.parse_args([])
     assert a.systems == ["pull", "push", "push-first", "upstream-push", "single"]
     assert a.pin == "server"
-    assert a.rounds == 2 and a.budget_s == 1320 and a.load_rule == "foreign"
+    assert a.rounds == 2 and a.budget_s == 1650 and a.load_rule == "foreign"  # 330 s a system
+    assert bs.parse_args(["--systems", "push,single"]).budget_s == 660
     q = bs.parse_args(["--quick", "--load-rule", "raw"])
     assert q.rounds == 1 and q.rates == [2.0, 8.0] and q.load_rule == "raw"
+    assert q.budget_s == 750
     pts = bs.points_of(a)
     assert pts[0]["sweep"] == "conc1" and [p["rate"] for p in pts[1:]] == sorted(a.rates)
     with pytest.raises(SystemExit):

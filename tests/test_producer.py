@@ -504,6 +504,9 @@ def test_prefill_failed_tells_registered_decoders_and_releases():
 def test_a_failed_prefill_fails_the_next_registration_of_its_prompt():
     b = Bench()
     b.prefill_failed(digest="A")
+    # the failed prefill waits for the registrations it refuses: answered at once, so the
+    # thread keeps polling every idle_poll_s (transfer_thread, expecting)
+    assert b.producer.expecting()
     b.register(reg="d-b", digest="B")  # another prompt of the list: not affected
     b.register(reg="d-a", digest="A")
     assert b.got() == [fail(reg="d-a", reason="prefill failed: aborted")]

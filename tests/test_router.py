@@ -316,13 +316,38 @@ async def test_completion_endpoints_bypass_fastapi_and_the_rest_goes_through_it(
 
     await app(http("POST", "/v1/completions"), receive, send)
     await app(http("POST", "/v1/chat/completions"), receive, send)
+    # behind uvicorn --root-path the scope's path includes the root path
+    await app(dict(http("POST", "/api/v1/completions"), root_path="/api"), receive, send)
     await app(http("GET", "/v1/completions"), receive, send)
     await app(http("GET", "/health"), receive, send)
     await app({"type": "lifespan"}, receive, send)
-    assert handled == [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]
+    assert handled == [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                       ("POST", "/v1/completions")]
     assert passed == [("http", "GET", "/v1/completions"), ("http", "GET", "/health"),
                       ("lifespan", None, None)]
-    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200, 200]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200] * 3
+
+
+async def test_a_failure_in_the_router_is_a_500_as_through_fastapi(monkeypatch):
+    """RouterApp passes an exception of Router.handle to the ASGI server, which answers 500
+    (and logs the traceback), as FastAPI's error middleware did for these endpoints."""
+    from kv_push.common.router.config import parse_args
+
+    config, _ = parse_args(["--prefill", "http://127.0.0.1:1,kv=127.0.0.1:2",
+                            "--decode", "http://127.0.0.1:3"])
+    monkeypatch.delenv("KV_PUSH_SECRET", raising=False)
+    app = build_app(config)
+
+    async def handle(request, endpoint):
+        raise RuntimeError("a bug in the router")
+
+    monkeypatch.setattr(app.state.router, "handle", handle)
+    sock, url = bind()
+    async with serve_all([(app, sock)]):
+        async with httpx.AsyncClient(base_url=url, timeout=10, trust_env=False) as client:
+            r = await client.post("/v1/completions", json=COMPLETION)
+            assert r.status_code == 500
+            assert (await client.get("/health")).status_code in (200, 503)  # still serving
 
 
 async def test_push_late_prefill_failure_lets_decode_finish():

@@ -1222,7 +1222,8 @@ class RouterApp:
     its way in, and its exception middleware wraps every ``send`` of the stream on the way out
     (a 2-core box, ``benchmarks/bench_router_overhead.py``): on the client's first token, for
     endpoints that take the raw body anyway. A failure in ``handle`` reaches uvicorn as it would
-    through FastAPI's error middleware (a 500 and the traceback in the log)."""
+    through FastAPI's error middleware (a 500 and the traceback in the log). Middleware or
+    exception handlers added to ``fastapi`` do not see those two endpoints."""
 
     HOT = frozenset(("/v1/completions", "/v1/chat/completions"))
 
@@ -1231,15 +1232,20 @@ class RouterApp:
         self.state = fastapi.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.HOT:
-            response = await self.router.handle(Request(scope, receive), scope["path"])
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):  # (uvicorn --root-path: the path includes it)
+                path = path[len(root):]
+            if path in self.HOT:
+                response = await self.router.handle(Request(scope, receive), path)
+                await response(scope, receive, send)
+                return
         await self.fastapi(scope, receive, send)
 
 
 def build_app(config: RouterConfig) -> RouterApp:
-    """The router as an ASGI app (``app.state.router`` is the :class:`Router`)."""
+    """The router as an ASGI app (``app.state.router`` is the :class:`Router`; ``app.fastapi``
+    the FastAPI app behind it, which does not see the completion endpoints: ``RouterApp``)."""
     router = Router(config)
 
     @contextlib.asynccontextmanager
@@ -1257,7 +1263,7 @@ def build_app(config: RouterConfig) -> RouterApp:
     async def completions(request: Request) -> Response:
         return await router.handle(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions")  # (served by RouterApp; here for the OpenAPI schema)
     async def chat_completions(request: Request) -> Response:
         return await router.handle(request, "/v1/chat/completions")
 
