@@ -87,6 +87,7 @@ import httpx
 
 from bench_meta import source_commit
 from kv_push.common import timing
+from kv_push.common.testing.sse_lines import sse_lines
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
                                                  metric_in, router, vllm_server)
 
@@ -179,7 +180,7 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
                 rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 return rec
             chunks, t_last = 0, 0.0
-            for line in resp.iter_lines():
+            for line in sse_lines(resp.iter_bytes()):
                 if not line.startswith("data: {"):
                     continue
                 if '"choices"' in line and '"text"' in line:

@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from kv_push.common.testing.sse_lines import asse_lines
+
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """``n`` distinct random token-id prompts of exactly ``length`` tokens (ids 3.. avoid the
@@ -58,7 +60,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ma
                     text = (await resp.aread()).decode(errors="replace")
                     rec["error"] = f"HTTP {resp.status_code}: {text[:200]}"
                     return rec
-                async for line in resp.aiter_lines():
+                async for line in asse_lines(resp.aiter_bytes()):
                     if not line.startswith("data: "):
                         continue
                     data = line[6:].strip()

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kv_push.common.testing.sse_lines import sse_lines
 from kv_push.common.testing.vllm_servers import free_port, metric, router, vllm_server
 from kv_push.common.worker import STATE_LOG_ENV
 
@@ -145,7 +146,7 @@ def _streamed(url: str, endpoint: str, body: dict) -> tuple[str, list[dict]]:
     text, events = "", []
     with httpx.stream("POST", f"{url}{endpoint}", timeout=180, json=body) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
+        for line in sse_lines(r.iter_bytes()):
             if line.startswith("data: ") and line != "data: [DONE]":
                 e = json.loads(line[6:])
                 assert "error" not in e, e
