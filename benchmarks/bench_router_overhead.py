@@ -17,6 +17,8 @@ one-token JSON, a D that streams four SSE chunks) on core 1, the real ``kv-push-
 Usage::
 
     .venv/bin/python benchmarks/bench_router_overhead.py          # ~1 min
+    # idle between requests, token-id prompts (as bench_serving.py's concurrency-1 point)
+    .venv/bin/python benchmarks/bench_router_overhead.py --gap-s 0.01 --prompt-tokens 512
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _stats(v: list[float]) -> dict:
             "min_ms": v[0]}
 
 
-def hop(p_url: str, d_url: str, n: int) -> dict:
+def hop(p_url: str, d_url: str, n: int, gap_s: float = 0.0, prompt_tokens: int = 0) -> dict:
     import httpx
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,7 +104,9 @@ def hop(p_url: str, d_url: str, n: int) -> dict:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        body = {"model": "m", "prompt": "hello " * 300, "max_tokens": 4, "temperature": 0,
+        # a token-id list as the benchmarks send (--prompt-tokens), else a 300-word string
+        prompt = list(range(10, 10 + prompt_tokens)) if prompt_tokens else "hello " * 300
+        body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0,
                 "stream": True}
 
         def ttft(url: str) -> float:
@@ -120,7 +124,9 @@ def hop(p_url: str, d_url: str, n: int) -> dict:
         direct, routed = [], []
         for _ in range(n):
             direct.append(ttft(d_url))
+            time.sleep(gap_s)
             routed.append(ttft(r_url))
+            time.sleep(gap_s)
         out = {"direct": _stats(direct), "router": _stats(routed)}
         out["added_p50_ms"] = out["router"]["p50_ms"] - out["direct"]["p50_ms"]
         return out
@@ -191,13 +197,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "router_overhead.json"))
+    ap.add_argument("--gap-s", type=float, default=0.0,
+                    help="pause after each request: idle processes between requests, as at "
+                         "concurrency 1 with think time (0: back to back)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="send a token-id list of this length (the benchmarks' prompts) instead "
+                         "of a 300-word string")
     args = ap.parse_args()
     fakes = subprocess.Popen(["taskset", "-c", "1", sys.executable, __file__, "--fakes"],
                              stdout=subprocess.PIPE, text=True)
     try:
         p_url, d_url = fakes.stdout.readline().split()
         load0 = os.getloadavg()
-        result = {"hop": hop(p_url, d_url, args.requests),
+        result = {"hop": hop(p_url, d_url, args.requests, args.gap_s, args.prompt_tokens),
                   "clients": clients(p_url, d_url, args.requests)}
         load1 = os.getloadavg()
     finally:
@@ -205,7 +217,8 @@ def main() -> None:
         fakes.wait()
     result["meta"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       "commit": source_commit(), "host": platform.node(), "cpus": os.cpu_count(),
-                      "requests": args.requests, "loadavg_before": load0,
+                      "requests": args.requests, "gap_s": args.gap_s,
+                      "prompt_tokens": args.prompt_tokens, "loadavg_before": load0,
                       "loadavg_after": load1}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

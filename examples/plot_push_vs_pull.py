@@ -30,6 +30,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 STYLE = {"push": ("tab:green", "o", "push (KVPushConnector)"),
+         "push-first": ("tab:purple", "x", "push, first token from P (KVPushConnector)"),
          "pull": ("tab:blue", "s", "pull (vLLM NixlConnector)"),
          "upstream-push": ("tab:orange", "^", "upstream push (vLLM NixlPushConnector)"),
          "single": ("tab:gray", "D", "single server (no P/D)")}
