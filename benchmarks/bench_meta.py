@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,3 +23,11 @@ def source_commit() -> str:
     if git("status", "--porcelain", "--untracked-files=no"):
         commit += "+uncommitted changes"
     return commit
+
+
+def default_python() -> str:
+    """The interpreter a benchmark starts its servers with: the checkout's ``.venv`` where it
+    has one (``make`` builds it), else the interpreter running the benchmark (a fresh clone run
+    with another checkout's venv)."""
+    venv = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable

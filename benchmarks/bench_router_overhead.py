@@ -196,7 +196,8 @@ def clients(p_url: str, d_url: str, n: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "router_overhead.json"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "router_overhead.json"),
+                    help="the JSON; the default overwrites the committed result")
     ap.add_argument("--gap-s", type=float, default=0.0,
                     help="pause after each request: idle processes between requests, as at "
                          "concurrency 1 with think time (0: back to back)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Serving benchmark: TTFT, TPOT and end-to-end latency seen by a client of four systems on
+"""Serving benchmark: TTFT, TPOT and end-to-end latency seen by a client of five systems on
 real vLLM servers, measured in one run with the systems alternating.
 
 Systems (each on its own freshly started servers; a connector is fixed at start-up):
@@ -43,8 +43,8 @@ server's (``conc1_vs_single``);
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_serving.py            # full: ~28 min (--budget-s 1650)
-    .venv/bin/python benchmarks/bench_serving.py --quick    # smoke: ~6-8 min
+    .venv/bin/python benchmarks/bench_serving.py            # full: ~17 min here (--budget-s 1650)
+    .venv/bin/python benchmarks/bench_serving.py --quick    # smoke: ~6-10 min
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_meta import default_python  # noqa: E402
 from serving_client import arrivals, make_prompts, run_closed, run_point, warm_up  # noqa: E402
 from serving_load import RULES, LoadMonitor, judge, pass_load, raw_loadavg  # noqa: E402
 from serving_stats import (CONC1, GOAL_VS_PULL, GOAL_VS_UPSTREAM, OURS, fmt_ratio,  # noqa: E402
@@ -676,7 +677,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None,
                     help="model dir (default: the tiny model in .work/tiny-model, built if needed)")
-    ap.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    ap.add_argument("--python", default=default_python(),
+                    help="the servers' interpreter (default: this checkout's .venv if it has "
+                         "one, else the one running this script)")
     ap.add_argument("--p-cpu", type=int, default=0, help="P's core (and the single server's)")
     ap.add_argument("--d-cpu", type=int, default=1)
     ap.add_argument("--pin", choices=("server", "worker"), default="server",
