@@ -72,6 +72,7 @@ from bench_meta import default_python  # noqa: E402
 from serving_client import arrivals, make_prompts, run_closed, run_point, warm_up  # noqa: E402
 from serving_load import RULES, LoadMonitor, judge, pass_load, raw_loadavg  # noqa: E402
 from serving_stats import (CONC1, GOAL_VS_PULL, GOAL_VS_UPSTREAM, OURS, fmt_ratio,  # noqa: E402
+                           ratio_key,
                            goal_figures, kept, point_key, pooled_summary, rate_cap,
                            ratio_table, round_sequence, saturation, summarize)
 
@@ -133,12 +134,13 @@ class Stack:
 
     def start(self) -> float:
         a, t0 = self.args, time.monotonic()
+        whole = a.pin == "server"  # each server's every process on its core
         connector = SYSTEMS[self.system][0]
         if connector is None:
             s = self._add(vllm_server("single", python=a.python, model=a.model, port=self.ports(),
                                       cpu=a.p_cpu, log_dir=self.log_dir,
                                       max_model_len=a.max_model_len,
-                                      whole_server_on_cpu=a.pin == "server"))
+                                      whole_server_on_cpu=whole))
             s.wait_healthy(a.start_timeout)
             self.d, self.url = s, s.url
             return time.monotonic() - t0
@@ -152,12 +154,12 @@ class Stack:
                                   cpu=a.p_cpu, log_dir=self.log_dir, kv_role="kv_producer",
                                   kv_port=kv_port, connector=connector, extra_config=extra,
                                   max_model_len=a.max_model_len, engine_id=engine_id,
-                                  whole_server_on_cpu=a.pin == "server"))
+                                  whole_server_on_cpu=whole))
         d = self._add(vllm_server("decode", python=a.python, model=a.model, port=self.ports(),
                                   cpu=a.d_cpu, log_dir=self.log_dir, kv_role="kv_consumer",
                                   kv_port=self.ports(), connector=connector, extra_config=extra,
                                   max_model_len=a.max_model_len,
-                                  whole_server_on_cpu=a.pin == "server"))
+                                  whole_server_on_cpu=whole))
         p.wait_healthy(a.start_timeout)
         d.wait_healthy(a.start_timeout)
         mode = self.router_mode
@@ -553,11 +555,10 @@ def markdown_report(path: str) -> str:
                   "| p90 |", "|---|---|---|---|---|---|---|---|"]
         for key, r in ratios.items():
             for ours in OURS:
-                o = ours.replace("-", "_")
-                if f"{o}_over_single_p50" not in r:
+                if ratio_key(ours, "single", "p50") not in r:
                     continue
                 lines.append(f"| {key} | {ours} | " + " | ".join(
-                    fmt_ratio(r[f"{o}_over_{b}_{q}"]) for b in ("pull", "upstream_push", "single")
+                    fmt_ratio(r[ratio_key(ours, b, q)]) for b in ("pull", "upstream-push", "single")
                     for q in ("p50", "p90")) + " |")
         lines.append("")
     g = dict(data.get("goals") or {})

@@ -154,15 +154,16 @@ def ratio_table(summary: dict, points: list[dict]) -> dict:
                 continue
             for base in ("pull", "upstream-push", "single"):
                 for q in ("p50", "p90"):
-                    row[f"{_ident(ours)}_over_{_ident(base)}_{q}"] = ratio(
+                    row[ratio_key(ours, base, q)] = ratio(
                         ttft_of(summary, ours, key, q), ttft_of(summary, base, key, q))
         if row:
             out[key] = row
     return out
 
 
-def _ident(system: str) -> str:
-    return system.replace("-", "_")
+def ratio_key(ours: str, base: str, q: str) -> str:
+    """``ratio_table``'s key of ``ours`` over ``base`` at ``q``: ``push_first_over_single_p50``."""
+    return f"{ours}_over_{base}_{q}".replace("-", "_")
 
 
 def goal_figures(summary: dict, points: list[dict]) -> dict:
@@ -175,7 +176,8 @@ def goal_figures(summary: dict, points: list[dict]) -> dict:
     both = [point_key(p) for p in rate_pts
             if ttft_of(summary, "push", point_key(p), "p50") is not None
             and ttft_of(summary, "pull", point_key(p), "p50") is not None]
-    low_keys = [point_key(p) for p in points if p["sweep"] == CONC1]
+    conc1_keys = [point_key(p) for p in points if p["sweep"] == CONC1]
+    low_keys = list(conc1_keys)
     if rate_pts:
         low_keys.append(point_key(rate_pts[0]))
     high = both[-1] if both else None
@@ -207,7 +209,7 @@ def goal_figures(summary: dict, points: list[dict]) -> dict:
         # issue 12 item 4: at concurrency 1, <= GOAL_VS_SINGLE x the single server, per system
         single = {}
         for ours in OURS:
-            for k in (k for k in low_keys if k.startswith(CONC1)):
+            for k in conc1_keys:
                 v = ratio(ttft_of(summary, ours, k, q), ttft_of(summary, "single", k, q))
                 if v is not None:
                     single[f"{ours} at {k}"] = {"ratio": v, "goal": GOAL_VS_SINGLE,

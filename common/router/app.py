@@ -1218,11 +1218,11 @@ class RouterApp:
     """The router's ASGI app: the two completion endpoints go straight to :meth:`Router.handle`;
     every other request, and the lifespan, to the FastAPI app (``fastapi``).
 
-    FastAPI's routing, request validation and middleware layers cost a request about 0.2 ms on
-    its way in (timing stamps in the router, a 2-core box), and its exception middleware wraps
-    every ``send`` of the stream on the way out: on the client's first token, for endpoints
-    that take the raw body anyway (``bench_router_overhead.py --gap-s 0.01 --prompt-tokens
-    512``: the router's added latency 0.15-0.25 ms lower, inside its run-to-run spread). A failure in ``handle`` reaches uvicorn as it would
+    FastAPI's routing, request validation and middleware layers run before the handler, and its
+    exception middleware wraps every ``send`` of the stream: on the client's first token, for
+    endpoints that take the raw body anyway. Measured (``bench_router_overhead.py --gap-s 0.01
+    --prompt-tokens 512``, ``benchmarks/results/router_overhead.idle512.*``): the router's added
+    latency 0.15-0.25 ms lower, inside its run-to-run spread. A failure in ``handle`` reaches uvicorn as it would
     through FastAPI's error middleware (a 500 and the traceback in the log). Middleware or
     exception handlers added to ``fastapi`` do not see those two endpoints."""
 
@@ -1230,7 +1230,10 @@ class RouterApp:
 
     def __init__(self, fastapi: FastAPI, router: Router) -> None:
         self.fastapi, self.router = fastapi, router
-        self.state = fastapi.state
+
+    @property
+    def state(self) -> Any:
+        return self.fastapi.state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
