@@ -13,7 +13,9 @@ import httpx
 import pytest
 
 from kv_push.common.router import builds
-from kv_push.common.router.first_token import DecodeFilter, FirstTokenMismatch, ineligible
+from kv_push.common.router.first_token import (DecodeFilter, FirstTokenMismatch,
+                                               PrefillAnswerHead, first_token_events,
+                                               ineligible)
 
 from test_router import CHAT, COMPLETION, all_idle, cluster, eventually, post
 
@@ -86,6 +88,29 @@ async def test_the_first_token_comes_from_p_and_the_rest_from_d(endpoint, base, 
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+async def test_p_s_token_is_taken_without_waiting_for_the_end_of_its_answer():
+    """P's answer is complete for the router at the event that ends its one choice: its usage
+    chunk, [DONE] and the body's end may come later (on P's one core its transfer thread runs
+    just then). D answers long before P's body ends, yet the token is P's; the rest of P's
+    answer is still read to its end (the connection is reused, P's slot released)."""
+    body = dict(COMPLETION, **GREEDY, stream_options={"include_usage": True})
+    async with cluster(first_token="auto") as c:
+        same_tokens(c)
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.chunk_interval = 0.6  # P's usage chunk comes 0.6 s after its token ...
+        p.behavior.linger_after_done = 0.6  # ... and its body ends 0.6 s after [DONE]
+        d.behavior.delay = 0.3  # D's first bytes come at 0.3 s
+        status, data, _ = await post(c, "/v1/completions", body)
+        evs = events(data)
+        assert status == 200 and text_of(evs, False) == "".join(TOKENS[:5])
+        assert [e["usage"] for e in evs if isinstance(e, dict) and e.get("usage")] == [
+            {"prompt_tokens": 3, "completion_tokens": 5}]  # D's, once
+        assert await metric(c, "prefill") == 1 and await metric(c, "decode") == 0
+        await eventually(lambda: all_idle(c), "P's answer read to its end, its slot free")
+        (prec,) = p.records
+        assert prec.completed and not prec.disconnected and b"[DONE]" in prec.sent
+
+
 async def test_usage_and_max_tokens_1_as_a_single_server_streams():
     body = dict(COMPLETION, **GREEDY)
     body.update(max_tokens=1, stream_options={"include_usage": True})
@@ -120,8 +145,35 @@ async def test_requests_that_do_not_qualify_take_the_decode_stream(change, reaso
         c.decodes[0].behavior.delay = 0.2  # P answers first
         status, data, _ = await post(c, "/v1/completions", body)
         assert status == 200 and data == c.decodes[0].records[0].sent  # D's stream, untouched
+        # (the legs go out at once, but on a loaded box P's fake may take D's 0.2 s to record
+        # its leg: seen once in CI)
+        await eventually(lambda: c.prefills[0].records, "P's leg to arrive")
         assert c.prefills[0].records[0].body["stream"] is False
         assert await metric(c, "decode", reason) == 1 and await metric(c, "prefill") == 0
+
+
+def test_p_s_answer_is_complete_at_the_event_that_ends_its_choice():
+    def ev(obj) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    role = ev({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "finish_reason": None}]})
+    token = ev({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "length"}]})
+    usage = ev({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+    head = PrefillAnswerHead()
+    # fed in pieces that cut events anywhere: nothing before the token's event ends it
+    whole = role + token
+    kinds = [head.feed(whole[i:i + 7]) for i in range(0, len(whole), 7)]
+    assert kinds[-1] == "output" and set(kinds[:-1]) == {None}
+    assert head.data == whole and first_token_events(head.data, True) == \
+        first_token_events(whole + usage + b"data: [DONE]\n\n", True)
+    # a token event whose choice goes on (not P's one-token leg): read on to [DONE]
+    going_on = ev({"choices": [{"index": 0, "text": "Hi", "finish_reason": None}]})
+    head = PrefillAnswerHead()
+    assert head.feed(going_on + usage) is None and head.feed(b"data: [DONE]\r\n\r\n") == "done"
+    # an error, or what is no JSON, ends it too (first_token_events says why it is unusable)
+    assert PrefillAnswerHead().feed(ev({"error": {"message": "x", "code": 500}})) == "error"
+    assert PrefillAnswerHead().feed(b"data: {nope\n\n") == "output"
 
 
 def test_eligibility_rules():

@@ -54,7 +54,7 @@ from kv_push.common.router.builds import Build, BuildBook, read_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
 from kv_push.common.router.first_token import (
-    DecodeFilter, FirstTokenMismatch, first_token_events, ineligible,
+    DecodeFilter, FirstTokenMismatch, PrefillAnswerHead, first_token_events, ineligible,
 )
 from kv_push.common.router.pool import Backend, BackendPool
 from kv_push.common.router.release import ReleaseSender
@@ -213,10 +213,26 @@ class LegResponse:
         async for chunk in self._resp.content.iter_any():
             yield chunk
 
+    async def read_head(self, head: StreamHead) -> bytes:
+        """Feed the body to ``head`` as it comes until its kind is known or the body ends;
+        returns what was read (the rest, if any, is for :meth:`aread`)."""
+        data = bytearray()
+        while True:
+            chunk = await self._resp.content.readany()
+            if not chunk:
+                return bytes(data)
+            data += chunk
+            if head.feed(chunk) is not None:
+                return bytes(data)
+
+    @property
+    def at_eof(self) -> bool:
+        return self._resp.content.at_eof()
+
     async def aclose(self) -> None:
         """Give the connection back when the body was read to its end; mid-body, close it (vLLM
         then aborts the request)."""
-        if self._resp.content.at_eof():
+        if self.at_eof:
             self._resp.release()
         else:
             self._resp.close()
@@ -752,11 +768,30 @@ class Router:
         return LegResponse(resp)
 
     async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
-        """POST the P leg; return its JSON. Releases P's slot when it ends, however it ends."""
+        """POST the P leg; return its JSON (streamed: ``{"sse": its events}`` as soon as they
+        hold P's token, the rest read in the background: ``_finish_prefill_leg``). Releases
+        P's slot when the leg ends, however it ends."""
         url = ex.p.backend.url
+        reading_on = False
         try:
             try:
                 resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
+                if body.get("stream") and resp.status_code < 400:
+                    # one token, streamed: its events (first_token.py), once they hold it
+                    try:
+                        sse = await resp.read_head(PrefillAnswerHead())
+                    except BaseException:
+                        await resp.aclose()
+                        raise
+                    if timing.ENABLED:
+                        timing.stamp("router_p_done", ex.tid)
+                    if resp.at_eof:
+                        await resp.aclose()
+                    else:  # P's usage chunk, [DONE]: the connection goes back to the pool
+                        self.adopt(asyncio.get_running_loop().create_task(
+                            self._finish_prefill_leg(ex, resp)))
+                        reading_on = True
+                    return {"sse": sse}
                 try:
                     await resp.aread()
                 finally:
@@ -765,8 +800,6 @@ class Router:
                     raise self.failure(ex, "prefill", url, resp)
                 if timing.ENABLED:
                     timing.stamp("router_p_done", ex.tid)
-                if body.get("stream"):  # one token, streamed: its events (first_token.py)
-                    return {"sse": resp.content}
                 data = resp.json()
                 if not isinstance(data, dict):
                     raise ValueError("response is not a JSON object")
@@ -780,6 +813,18 @@ class Router:
                 self._learn_peer(url, data.get("kv_transfer_params"))
             return data
         finally:
+            if not reading_on:
+                ex.p.release()
+
+    async def _finish_prefill_leg(self, ex: Exchange, resp: LegResponse) -> None:
+        """Read the rest of a streamed P leg whose token is already out (``_prefill_leg``), so
+        that its connection is reused; then release P's slot."""
+        try:
+            await resp.aread()
+        except LEG_ERRORS as exc:  # the token was P's whole answer: nothing of it is lost
+            logger.debug("tid=%s: the end of P's answer could not be read: %r", ex.tid, exc)
+        finally:
+            await resp.aclose()
             ex.p.release()
 
     async def _open_decode(self, ex: Exchange, body: dict, headers: dict) -> DecodeStream:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kv_push.common.router.sse import sse_events
+from kv_push.common.router.sse import StreamHead, event_data, sse_events
 
 #: request keys that change what a streamed token looks like, or may make P's leg pick another
 #: token than D's first, with the fallback reason they are counted under
@@ -168,6 +168,34 @@ def first_token_events(p_body: bytes, chat: bool, replacement_ok: bool = False
         # mismatch; a token with no text at all cannot mismatch
         return "partial_character"
     return b"".join(out), text
+
+
+class PrefillAnswerHead(StreamHead):
+    """P's streamed one-token answer, fed as it comes (``feed``, as :class:`StreamHead`) until
+    it holds what :func:`first_token_events` reads: the event that ends P's one choice (it
+    carries a ``finish_reason``: P stops at its one token), an error event, or ``[DONE]``.
+    What may follow -- P's usage-only chunk, ``[DONE]``, the end of the body -- changes nothing
+    that function returns, so the router need not wait for it: on P's one core the transfer
+    thread's work for the same request runs just then, and delays the rest of P's answer."""
+
+    def _judge(self, event: bytes) -> str:
+        data = event_data(event)
+        if data is None:
+            return "preamble"
+        if data == b"[DONE]":
+            return "done"
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return "output"  # (first_token_events: prefill_unreadable)
+        if not isinstance(obj, dict) or "error" in obj:
+            return "error"
+        choices = obj.get("choices")
+        if isinstance(choices, list) and any(
+                isinstance(c, dict) and c.get("finish_reason") is not None for c in choices):
+            return "output"
+        return "preamble"  # a role chunk, a token event P's choice goes on after (not with
+        # max_tokens 1), a usage chunk
 
 
 class DecodeFilter:

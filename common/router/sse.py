@@ -35,7 +35,7 @@ def sse_events(data: bytes) -> list[bytes]:
     return [e.strip() for e in _EVENT_END.split(data) if e.strip()]
 
 
-def _payload(event: bytes) -> bytes | None:
+def event_data(event: bytes) -> bytes | None:
     """An SSE event's data (its ``data:`` lines joined), None when it has none."""
     lines = [ln[5:].strip() for ln in event.strip().splitlines() if ln.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
@@ -45,7 +45,7 @@ def error_status(event: bytes) -> int | None:
     """The ``code`` of an ``{"error": ...}`` event (vLLM's HTTP status for the failure, e.g.
     400 for a request it refused), or None."""
     try:
-        err = json.loads(_payload(event) or b"").get("error")
+        err = json.loads(event_data(event) or b"").get("error")
     except (ValueError, AttributeError):
         return None
     code = err.get("code") if isinstance(err, dict) else None
@@ -54,7 +54,7 @@ def error_status(event: bytes) -> int | None:
 
 def classify(event: bytes) -> str:
     """One complete SSE event: ``"preamble"``, ``"output"``, ``"error"`` or ``"done"``."""
-    payload = _payload(event)
+    payload = event_data(event)
     if payload is None:
         return "preamble"  # a comment or other field: carries nothing
     if payload == b"[DONE]":
