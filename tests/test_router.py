@@ -104,13 +104,17 @@ class Cluster:
 async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: bool = False,
                   prefill_opts: str = "", p_tp: int = 1, side_channels: bool = True,
                   release_timeout: float = 5.0, first_token: str = "off", timeout: float = 10.0,
-                  dead_decodes: int = 0, dead_prefills: int = 0) -> AsyncIterator[Cluster]:
+                  dead_decodes: int = 0, dead_prefills: int = 0,
+                  decode_metrics: str = "") -> AsyncIterator[Cluster]:
     """Fake P/D servers plus a router in front of them, all on loopback ports; with
     ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder.
     ``dead_decodes`` / ``dead_prefills``: that many more backends first in the router's lists,
-    at ports nothing listens on."""
+    at ports nothing listens on. ``decode_metrics``: what each D's ``/metrics`` says from the
+    start (before the router's first read)."""
     prefills = [FakeVLLM(f"p{i}", "prefill", kv_port=KV_BASE_PORT + i) for i in range(n_p)]
     decodes = [FakeVLLM(f"d{i}") for i in range(n_d)]
+    for d in decodes:
+        d.behavior.metrics_text = decode_metrics or d.behavior.metrics_text
     p_socks = [bind() for _ in prefills]
     d_socks = [bind() for _ in decodes]
     d_urls = [url for _, url in d_socks]
@@ -140,6 +144,10 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
             # trust_env off: the test's own client never goes through a proxy variable a test
             # sets for the router's legs
             async with httpx.AsyncClient(base_url=r_url, timeout=10, trust_env=False) as client:
+                # the router's start-up reads (D's refusals, builds) are done: what a test sets
+                # on a fake from here on is news to the router
+                await eventually(lambda: not app.state.router._background,
+                                 "the router's start-up reads")
                 yield Cluster(prefills, decodes, app.state.router, client, recorders)
     finally:
         for rec in recorders:
@@ -1231,6 +1239,7 @@ def test_a_pair_that_works_again_is_not_marked_on_refusals_counted_before():
 
     compat = PairCompat()
     seen = lambda n: {"kv:1": (REFUSAL, float(n))}  # noqa: E731
+    compat.baseline({"p": "kv:1"}, "d", {})  # (the router's read at its start: none)
     assert compat.judge("p", "kv:1", "d", seen(3)) is not None
     assert compat.worked("p", "d")  # D's count is 6 by now; the router saw 3: read it
     assert compat.judge("p", "kv:1", "d", seen(6)) is None  # no read yet: this look is it
@@ -1241,16 +1250,51 @@ def test_a_pair_that_works_again_is_not_marked_on_refusals_counted_before():
     compat.rebase("p", "kv:1", "d", seen(9))
     assert compat.judge("p", "kv:1", "d", seen(10)).reason == REFUSAL
     # a pair with no refusals on record needs no read: its first refusal counts at once
+    compat.baseline({"p2": "kv:2"}, "d", {})  # (the router's read at its start)
     assert not compat.worked("p2", "d")
     assert compat.judge("p2", "kv:2", "d", {"kv:2": (REFUSAL, 1.0)}).reason == REFUSAL
+    # a pair the router could not read at its start: its first look is the baseline
+    assert compat.judge("p3", "kv:3", "d", {"kv:3": (REFUSAL, 4.0)}) is None
+    assert compat.judge("p3", "kv:3", "d", {"kv:3": (REFUSAL, 5.0)}).reason == REFUSAL
 
 
 async def test_probe_finds_an_incompatible_pair_before_any_request():
     async with cluster() as c:
+        # D refused P after the router started (another router's request, say)
         c.decodes[0].behavior.metrics_text = _refusal_metrics(f"127.0.0.1:{KV_BASE_PORT}", REFUSAL)
         assert (await c.client.get("/health")).json()["incompatible"] == []  # not read yet
         h = await c.client.get("/health", params={"probe": "true"})
         assert h.status_code == 503 and h.json()["incompatible"][0]["reason"] == REFUSAL
+
+
+async def test_refusals_counted_before_the_router_started_are_history():
+    """A walkthrough's case: P was refused by D (another block size), then fixed, and the router
+    restarted. D's counter still holds the old refusal: the new router must not report the pair
+    incompatible (its /health was 503 until a request went through, which a readiness check
+    that takes the router out of service never lets happen), nor blame a failure of D for
+    another reason on it. A refusal after the start counts, and so does one after D restarted
+    (its counter below the router's baseline)."""
+    kv = f"127.0.0.1:{KV_BASE_PORT}"
+    async with cluster(decode_metrics=_refusal_metrics(kv, REFUSAL, 2.0)) as c:
+        (d,) = c.decodes
+        for params in ({}, {"probe": "true"}):
+            h = await c.client.get("/health", params=params)
+            assert h.status_code == 200 and h.json()["incompatible"] == [], h.json()
+        d.behavior.fail_status = 500  # D fails for another reason
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "decode_error", r.text
+        d.behavior.metrics_text = _refusal_metrics(kv, REFUSAL, 3.0)  # a new refusal
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "incompatible_peers", r.text
+        d.behavior.fail_status = None
+        assert (await post(c, "/v1/completions", COMPLETION))[0] == 200  # fixed again
+        await eventually(lambda: not c.router._background, "the read after it worked")
+        # D restarts and refuses once: its count (1) is below the router's (3), and new
+        d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(kv, REFUSAL, 1.0)
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "incompatible_peers", r.text
+        await eventually(lambda: all_idle(c), "router to be idle")
 
 
 async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
@@ -1701,6 +1745,8 @@ async def test_the_legs_honour_the_proxy_variables(monkeypatch, no_proxy: bool):
             else:
                 p_url = c.router.prefill_pool.backends[0].url
                 d_url = c.router.decode_pool.backends[0].url
-                assert sorted(proxy.urls) == sorted([p_url + "/v1/completions",
-                                                     d_url + "/v1/completions"])
+                legs = [u for u in proxy.urls if not u.endswith("/metrics")]  # (the router's
+                # read of D's refusals at its start goes the same way)
+                assert sorted(legs) == sorted([p_url + "/v1/completions",
+                                               d_url + "/v1/completions"])
                 assert all(b.proxy == proxy_url for b in backends)

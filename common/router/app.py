@@ -599,6 +599,8 @@ class Router:
             skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
         for b in self.prefill_pool.backends + self.decode_pool.backends:
             self.refresh_build(b)
+        if c.mode == "push":
+            self.adopt(asyncio.get_running_loop().create_task(self._baseline_refusals()))
 
     async def stop(self) -> None:
         await self.releaser.close()
@@ -677,7 +679,7 @@ class Router:
         """A pair with refusals on record worked: read D's count now, in the background, so
         a later refusal marks the pair at once (``compat``, module doc)."""
         async def read() -> None:
-            self.compat.rebase(p_url, kv, d_url, await self._refusals(d_url))
+            self.compat.rebase(p_url, kv, d_url, await self._read_refusals(d_url))
 
         self.adopt(asyncio.get_running_loop().create_task(read()))
 
@@ -904,12 +906,27 @@ class Router:
     async def _refusals(self, d_url: str) -> dict[str, tuple[str, float]]:
         """D's KV handshake refusals by producer side channel (``compat.parse_refusals``);
         empty when D's ``/metrics`` cannot be read."""
+        return await self._read_refusals(d_url) or {}
+
+    async def _read_refusals(self, d_url: str) -> dict[str, tuple[str, float]] | None:
+        """``_refusals``, None when D's ``/metrics`` cannot be read."""
         assert self.client is not None
         try:
             r = await self.client.get(d_url + "/metrics", timeout=self.config.health_probe_timeout)
         except httpx.HTTPError:
-            return {}
-        return parse_refusals(r.text) if r.status_code == 200 else {}
+            return None
+        return parse_refusals(r.text) if r.status_code == 200 else None
+
+    async def _baseline_refusals(self) -> None:
+        """(push) Every decoder's KV handshake refusals as this router starts are history
+        (``compat``, module doc): a pair fixed before is not reported incompatible on them."""
+        kvs = {p.url: p.spec.kv for p in self.prefill_pool.backends
+               if p.spec is not None and p.spec.kv is not None}
+        decodes = self.decode_pool.backends
+        for d, found in zip(decodes, await asyncio.gather(
+                *(self._read_refusals(d.url) for d in decodes))):
+            if found is not None:
+                self.compat.baseline(kvs, d.url, found)
 
     async def _explain_decode_failure(self, ex: Exchange) -> None:
         """(push mode) D failed the request: if it is because D refused this P at the KV

@@ -10,7 +10,14 @@ D dialled, i.e. the router's ``kv=`` of that P); the router reads D's ``/metrics
 fails and when ``/health?probe=true`` is asked, and so can tell the client and the operator why.
 
 A refusal counted before a later success of the same pair is history (one side was
-reconfigured): only refusals beyond D's count when the pair last worked mark it. When a pair
+reconfigured): only refusals beyond D's count when the pair last worked mark it. So are the
+refusals D counted before this router started: it reads every D's count at start-up
+(``baseline``); a pair it could not read then takes D's count at its first look instead (a
+failure at that look is left unexplained). A count below the baseline means D restarted: its
+refusals since then are new. (Until 2026-12-05 a restarted router took every refusal D had ever
+counted for new: a pair that had been fixed showed as incompatible, ``/health`` answered 503
+until a request went through it -- which a readiness check that takes the router out of service
+never lets happen -- and a failure of D for any other reason was blamed on the old refusal.) When a pair
 with refusals on record works, the router does not know D's count at that moment -- it read it
 earlier, and D may have counted more since (several for one failed request, or for requests the
 router did not look at) -- so ``worked`` asks for a fresh read (``rebase``), and until then
@@ -118,10 +125,12 @@ class PairCompat:
         pair = (prefill, decode)
         reason, count = refusals.get(kv, ("", 0.0))
         self._seen[pair] = count
-        cleared = self._cleared.get(pair, 0.0)
-        if cleared is None:
+        cleared = self._cleared.get(pair)
+        if cleared is None:  # the first look (no baseline), or the first after the pair worked
             self._cleared[pair] = count
             return None
+        if count < cleared:  # D restarted (its counters with it): all it counted since is new
+            cleared = self._cleared[pair] = 0.0
         if count <= cleared:
             return self.incompatible.get(pair)
         found = Incompatibility(prefill, kv, decode, reason)
@@ -131,6 +140,15 @@ class PairCompat:
         self.incompatible[pair] = found
         self._found_at[pair] = self.clock()
         return found
+
+    def baseline(self, kvs: dict[str, str], decode: str,
+                 refusals: dict[str, tuple[str, float]]) -> None:
+        """D's refusals as this router first reads them (at its start; ``kvs``: each prefill
+        URL's side channel HOST:PORT): history, for every pair not looked at yet."""
+        for prefill, kv in kvs.items():
+            pair = (prefill, decode)
+            if pair not in self._cleared:
+                self._cleared[pair] = self._seen[pair] = refusals.get(kv, ("", 0.0))[1]
 
     def avoided(self, prefill: str) -> set[str]:
         """The decode URLs to steer ``prefill``'s requests away from: found incompatible with
@@ -147,17 +165,17 @@ class PairCompat:
         was = self.incompatible.pop(pair, None) is not None
         if was:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
-        if was or self._seen.get(pair, 0.0) > 0 or self._cleared.get(pair, 0.0) is None:
+        if was or self._seen.get(pair, 0.0) > 0 or self._cleared.get(pair) is None:
             self._cleared[pair] = None  # D's count now is unknown: rebase, or the next look
             return True
         self._cleared[pair] = self._seen.get(pair, 0.0)
         return False
 
     def rebase(self, prefill: str, kv: str, decode: str,
-               refusals: dict[str, tuple[str, float]]) -> None:
-        """D's refusals read right after the pair worked: its count is the baseline (unless
-        a look since then took one)."""
+               refusals: dict[str, tuple[str, float]] | None) -> None:
+        """D's refusals read right after the pair worked (None: D's ``/metrics`` could not be
+        read): its count is the baseline (unless a look since then took one)."""
         pair = (prefill, decode)
-        if refusals and self._cleared.get(pair, 0.0) is None:
+        if refusals is not None and self._cleared.get(pair) is None:
             count = refusals.get(kv, ("", 0.0))[1]
             self._cleared[pair] = self._seen[pair] = count
