@@ -42,6 +42,16 @@ release}``) and never written. A request already claimed keeps its source (its l
 attempts pair as usual). After the tombstone expired, a late registration only waits for a
 prefill that is gone and is failed at its time-out.
 
+Expired prefills: a prefill no decoder request claimed within ``rendezvous_ttl_s`` (its
+decoder request queued longer than that on a loaded D, say) is dropped, and its rendezvous key
+is remembered the same way (``expired_keys``, at most ``MAX_RELEASED_TIDS``, each for
+``rendezvous_ttl_s``): a registration for it that comes later, of a request not yet claimed,
+with no other prefill of that key to take it, is failed at once (``TransferFailed``; counted
+``stale{registration_after_expiry}``), so D fails or recomputes the request (its
+``kv_load_failure_policy``) at once instead of waiting another ``rendezvous_ttl_s`` for a
+prefill that is gone (until 2026-12-05 it waited; a walkthrough's request queued 6 s on D with
+a 5 s TTL failed after 11.7 s).
+
 Staged transfers (``staged.py``): with a ``StagedSender``, a registration that carries a slot is
 packed into this worker's staging pool and WRITTEN chunk by chunk into the slot; the job is then
 the same ``_Job`` (same answers, same ``chunks_done``: a staged chunk is a WRITE chunk) whose
@@ -195,6 +205,8 @@ class Producer:
         self.tombstones: dict[RequestKey, float] = {}  # requests whose source is gone -> when
         # transfer ids the router released -> when (bounded: MAX_RELEASED_TIDS, rendezvous_ttl_s)
         self.released_tids: OrderedDict[str, float] = OrderedDict()
+        # rendezvous keys whose prefill expired unclaimed -> when (bounded as released_tids)
+        self.expired_keys: OrderedDict[RdvKey, float] = OrderedDict()
         self.orphans: list[Any] = []  # WRITE handles to dead peers, still in flight
         self._fragmentation_told: set[tuple[str, str]] = set()  # (engine, layout) warned about
         self.streams: dict[str, Any] = {}  # source key -> its layer-wise staged.Stream
@@ -389,6 +401,12 @@ class Producer:
             self.rdv.close(source.rdv_key)
         self._settle(source.rdv_key)
 
+    def _remember_expired(self, rdv_key: RdvKey, now: float) -> None:
+        self.expired_keys[rdv_key] = now
+        self.expired_keys.move_to_end(rdv_key)
+        while len(self.expired_keys) > MAX_RELEASED_TIDS:
+            self.expired_keys.popitem(last=False)
+
     def release(self, transfer_ids) -> None:
         """The router released ``transfer_ids`` (see the module doc): free every source of them
         that no decoder has claimed, close the others, and refuse later registrations."""
@@ -459,6 +477,15 @@ class Producer:
             # this request, and its source may be gone -- say so now, never write
             self._tell_failed(reg, "the router released this transfer (its exchange ended)", 0)
             self.ctx.counters.inc("stale", label="registration_after_router_release")
+            return
+        if (reg.rdv_key in self.expired_keys and self.rdv.claim(reg.request) is None
+                and self.rdv.spare(reg.rdv_key) == 0):
+            # its prefill waited rendezvous_ttl_s for a registration and was dropped: nothing
+            # will pair with this request -- say so now instead of at its own time-out
+            self._tell_failed(reg, "its prefill expired before this registration came (the "
+                              "producer holds a prefill rendezvous_ttl_s = "
+                              f"{self.ctx.config.rendezvous_ttl_s:g} s for its decoder)", 0)
+            self.ctx.counters.inc("stale", label="registration_after_expiry")
             return
         try:
             pairings, superseded = self.rdv.add_registration(reg, self._targets(peer))
@@ -755,6 +782,7 @@ class Producer:
                 self._tell_failed(reg, "no prefill arrived in time", 0)
         for src in sources:
             self.ctx.counters.inc("expired")
+            self._remember_expired(src.rdv_key, now)
             if not src.failure:
                 logger.warning("kv_push: prefill %s of transfer %s expired (not every decoder "
                                "rank it serves was resolved in time)", src.key, src.transfer_id)
@@ -766,11 +794,12 @@ class Producer:
         for key, seen in list(self.answered.items()):
             if now - seen.when > ttl:
                 del self.answered[key]
-        while self.released_tids:
-            tid, when = next(iter(self.released_tids.items()))
-            if now - when <= ttl:
-                break
-            del self.released_tids[tid]
+        for remembered in (self.released_tids, self.expired_keys):
+            while remembered:
+                key, when = next(iter(remembered.items()))
+                if now - when <= ttl:
+                    break
+                del remembered[key]
 
     def _warn_if_fragmented(self, hello: Hello) -> None:
         """Say once per decoder layout when the region path into it needs far more descriptors

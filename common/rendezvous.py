@@ -184,6 +184,11 @@ class Rendezvous:
         entry = self._entries.get(rdv_key)
         return [h.source for h in entry.sources.values()] if entry else []
 
+    def spare(self, rdv_key: RdvKey) -> int:
+        """How many more decoder requests the sources under ``rdv_key`` can take."""
+        entry = self._entries.get(rdv_key)
+        return sum(h.spare for h in entry.sources.values()) if entry else 0
+
     def source(self, source_key: str) -> Source | None:
         held = self._held(source_key)
         return held.source if held else None

@@ -749,6 +749,31 @@ def test_an_unpaired_registration_expires_and_the_decoder_is_told():
     assert b.p.count("expired") == 1 and b.idle()
 
 
+def test_a_registration_after_its_prefill_expired_fails_at_once():
+    """A walkthrough's case: D queued the request longer than the TTL, P dropped the prefill,
+    and D's registration then waited a second TTL for it before failing. Now it is told at
+    once, and never written; a prefill of the same key that comes later still pairs."""
+    b = Bench()
+    b.prefill()
+    b.clock.advance(TTL + 1)
+    b.p.step()
+    assert b.released == ["req-1"] and b.p.count("expired") == 1
+    b.register()
+    (msg,) = failed(b)
+    assert "expired" in msg.reason and b.writes() == []
+    assert b.p.count("stale", label="registration_after_expiry") == 1 and b.idle()
+    b.register(tid="t2", reg="d-2")  # other transfers are not affected
+    assert b.got() == [] and b.p.count("registrations_early") == 1
+    # a prefill of the expired key that comes later (preempted and run again) takes a request
+    b.prefill(key="req-2")
+    b.register(reg="d-3")
+    assert b.got() == [done(reg="d-3")]
+    # forgotten after a TTL: a late registration waits for a prefill as any early one does
+    b.clock.advance(TTL + 1)
+    b.p.step()
+    assert not b.producer.expired_keys
+
+
 def test_a_decoder_rank_that_never_registers_does_not_hold_the_source_forever():
     # issue 9 item 7: a paired entry never expired
     b = Bench(d_tp=2)
