@@ -1297,6 +1297,35 @@ async def test_refusals_counted_before_the_router_started_are_history():
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("endpoint,base", ENDPOINTS)
+async def test_beam_search_goes_to_d_alone(endpoint, base, mode):
+    """vLLM runs beam search as requests of its own that take no kv_transfer_params: P's
+    prefill would be thrown away, and its answer (holding nothing) made a walkthrough's router
+    report a healthy P as "not held" (a WARNING, a counter, /health degraded). D gets the
+    request as the client sent it, P nothing; a failure of D is not blamed on the KV path."""
+    body = dict(base, use_beam_search="true", n=2)  # (vLLM reads the flag laxly)
+    async with cluster(mode=mode) as c:
+        (p,), (d,) = c.prefills, c.decodes
+        r = await c.client.post(endpoint, json=body)
+        assert r.status_code == 200 and r.content == d.records[0].sent
+        assert p.records == [] and d.records[0].body == body  # no kv_transfer_params
+        h = await c.client.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok", h.json()
+        m = await c.metrics()
+        assert m[("kv_push_router_decode_alone_total", (("reason", "beam_search"),))] == 1
+        assert not any(name == "kv_push_router_prefill_not_held_total" and v
+                       for (name, _), v in m.items())
+        d.behavior.fail_status = 500
+        r = await c.client.post(endpoint, json=body)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "decode_error"
+        await eventually(lambda: all_idle(c), "router to be idle")
+        if mode == "push":
+            (sc,) = c.side_channels
+            assert sc.releases == [] and sc.probes == 0  # nothing to release, nothing dialled
+        assert p.records == []
+
+
 async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
     """``vllm bench serve`` calls /tokenize and /detokenize on the URL it benchmarks."""
     async with cluster(n_d=2) as c:
@@ -1643,12 +1672,11 @@ async def test_n_samples_are_one_prefill_with_fanout(monkeypatch):
         assert TransferParams.parse(drec.kv, b"router-secret").fanout == 1
         with pytest.raises(ValueError):  # a changed fanout breaks the signature
             TransferParams.parse(dict(prec.kv, fanout=2), b"router-secret")
-        # beam search (n is the beam width) and n=1 go as they are
-        for body in (dict(COMPLETION, n=2, use_beam_search=True), dict(COMPLETION, n=1)):
-            assert (await post(c, "/v1/completions", body))[0] == 200
-        await eventually(lambda: len(p.records) == 3 and p.records[-1].completed, "P legs")
-        assert [r.body.get("n") for r in p.records[1:]] == [2, 1]
-        assert all("fanout" not in r.kv for r in p.records[1:])
+        # n=1 goes as it is (beam search, where n is the beam width, goes to D alone:
+        # test_beam_search_goes_to_d_alone)
+        assert (await post(c, "/v1/completions", dict(COMPLETION, n=1)))[0] == 200
+        await eventually(lambda: len(p.records) == 2 and p.records[-1].completed, "P legs")
+        assert p.records[1].body.get("n") == 1 and "fanout" not in p.records[1].kv
         await eventually(lambda: all_idle(c), "router to be idle")
 
 

@@ -123,6 +123,10 @@ class Metrics:
         self.release_errors = Counter(
             p + "release_errors", "Releases that did not reach a P rank, by kind (connect, "
             "timeout, refused, bad_reply, internal)", ["kind"], registry=r)
+        self.decode_alone = Counter(
+            p + "decode_alone", "Requests sent to a decode server alone, with no P leg and no "
+            "KV transfer, by reason (beam_search: vLLM runs beam search as requests of its own, "
+            "which take no kv_transfer_params)", ["reason"], registry=r)
         self.prefill_not_held = Counter(
             p + "prefill_not_held", "push: P answers that did not hold the prefill for a KV "
             "transfer (no kv_transfer_params.transfer_id): D computed the prompt itself",
@@ -140,14 +144,18 @@ def _error_response(status: int, message: str, kind: str, tid: str | None = None
 _TRUE_STRINGS = frozenset({"1", "on", "t", "true", "y", "yes"})
 
 
-def wants_stream(body: dict) -> bool:
-    """Whether the backends will stream this request, read as vLLM reads ``stream`` (a JSON
-    boolean, 0/1, or a string such as "false" or "yes"). A value vLLM rejects counts as not
-    streaming: the backend's 400 then reaches the client as an ordinary error."""
-    v = body.get("stream")
+def lax_true(v: Any) -> bool:
+    """Whether vLLM reads a request's boolean field as true (a JSON boolean, 0/1, or a string
+    such as "false" or "yes"). A value vLLM rejects counts as false: the backend's 400 then
+    reaches the client as an ordinary error."""
     if isinstance(v, str):
         return v.lower() in _TRUE_STRINGS
     return v is True or (type(v) in (int, float) and v == 1)
+
+
+def wants_stream(body: dict) -> bool:
+    """Whether the backends will stream this request (``lax_true``)."""
+    return lax_true(body.get("stream"))
 
 
 class UpstreamError(Exception):
@@ -415,6 +423,7 @@ class Exchange:
         self.first_token_off = router.first_token_off(endpoint, body)
         self._closed = False
         self.p_unsent = False  # P's leg could not be connected (so P holds nothing of it)
+        self.alone = ""  # why D got it alone, with no P leg and no KV (Router._decode_alone)
         #: (first token from P) the build P and the decoders were read as when P answered
         #: (Router.common_build; None: not one), which a mismatch then distrusts
         self.build_checked: Build | None = None
@@ -661,15 +670,30 @@ class Router:
             return "off"
         return ineligible(body, chat=endpoint.endswith("chat/completions"))
 
-    def decode_answered(self, ex: Exchange, d: DecodeStream) -> None:
-        """D's leg answered: note whether it produced output, and (push mode) that
-        this P/D pair works."""
+    async def _decode_alone(self, ex: Exchange, headers: dict, reason: str) -> DecodeStream:
+        """Send the client's request to D alone, as it came (no P leg, no kv_transfer_params):
+        for what vLLM cannot disaggregate. Beam search: vLLM runs it as requests of its own
+        whose sampling parameters do not carry the leg's kv_transfer_params, so P's prefill
+        would be thrown away (and, in push mode, P's answer would look like a P that holds no
+        prefills: ``_check_held``) while D computes the prompt anyway."""
+        ex.p_unsent, ex.alone = True, reason  # P never had it: nothing to release
+        self.metrics.decode_alone.labels(reason=reason).inc()
+        ex.d_task = asyncio.ensure_future(self._open_decode(ex, ex.body, headers))
+        stream = await self._await(ex, ex.d_task)
+        self.decode_answered(ex, stream, kv=False)
+        if stream.output:
+            self._first_token_sent(ex, "decode", ex.first_token_off or reason)
+        return stream
+
+    def decode_answered(self, ex: Exchange, d: DecodeStream, kv: bool = True) -> None:
+        """D's leg answered: note whether it produced output, and (push mode, ``kv``: the
+        request went through P and D) that this P/D pair works."""
         ex.decode_output = d.output
         if not d.output:  # its stream opened with an error event: passed on, counted --
             # as a rejection where the event says 4xx (the client's request, e.g. a token id
             # outside the vocabulary: vLLM answers 200, then such an event), as for a 4xx status
             ex.outcome = "rejected" if d.refused else "decode_error"
-        elif self.config.mode == "push" and d.status_code < 400:
+        elif kv and self.config.mode == "push" and d.status_code < 400:
             ex.p.backend.kv_unreachable = None
             p_url, d_url, spec = ex.p.backend.url, ex.d.backend.url, ex.p.backend.spec
             if self.compat.worked(p_url, d_url) and spec is not None and spec.kv is not None:
@@ -936,7 +960,7 @@ class Router:
         channel itself (``kv=``, the address D was sent to): if that fails, that is the
         client's error."""
         spec = ex.p.backend.spec
-        if self.config.mode != "push" or spec is None or spec.kv is None:
+        if self.config.mode != "push" or spec is None or spec.kv is None or ex.alone:
             return
         for attempt in range(3):
             found = self.compat.judge(spec.url, spec.kv, ex.d.backend.url,
@@ -1007,9 +1031,9 @@ class Router:
         comes from P: ``first_token.py``), with the mode's ``kv_transfer_params``.
 
         push mode, ``n > 1``: P prefills each prompt once (``n: 1``) and each prefill serves the
-        ``n`` samples D makes of it (``fanout: n``, covered by the signature). Not with beam
-        search (vLLM runs it as its own requests; ``n`` is the beam width there) nor with a
+        ``n`` samples D makes of it (``fanout: n``, covered by the signature). Not with a
         ``best_of`` (vLLM 0.32's completions API has none; whoever has one gets the body as is).
+        (Beam search, where ``n`` is the beam width, never gets here: ``_decode_alone``.)
         """
         body = dict(ex.body, max_tokens=1, stream=False)
         if "max_completion_tokens" in body:
@@ -1028,8 +1052,7 @@ class Router:
             body["stream"] = True
         params: dict[str, Any] = {"transfer_id": ex.tid, "do_remote_decode": True}
         n = body.get("n")
-        if (type(n) is int and 1 < n <= MAX_FANOUT and not body.get("use_beam_search")
-                and body.get("best_of") is None):
+        if type(n) is int and 1 < n <= MAX_FANOUT and body.get("best_of") is None:
             body["n"], params["fanout"] = 1, n
         body["kv_transfer_params"] = self.signer.sign(params)
         return body
@@ -1062,6 +1085,8 @@ class Router:
         headers = {"X-Request-Id": ex.leg_request_id}
         if auth := request.headers.get("authorization"):
             headers["Authorization"] = auth
+        if lax_true(ex.body.get("use_beam_search")):
+            return await self._decode_alone(ex, headers, "beam_search")
         ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex), headers))
         d_params = self._decode_params(ex)
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
