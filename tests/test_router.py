@@ -1326,6 +1326,31 @@ async def test_beam_search_goes_to_d_alone(endpoint, base, mode):
         assert p.records == []
 
 
+@pytest.mark.parametrize("endpoint,base,extra,alone", [
+    ("/v1/completions", COMPLETION, {"prompt_logprobs": 0}, True),
+    ("/v1/completions", COMPLETION, {"echo": True, "logprobs": 2}, True),
+    ("/v1/completions", COMPLETION, {"echo": "yes", "logprobs": 0}, True),
+    ("/v1/completions", COMPLETION, {"echo": True}, False),
+    ("/v1/completions", COMPLETION, {"logprobs": 2}, False),
+    ("/v1/chat/completions", CHAT, {"prompt_logprobs": 1}, True),
+    ("/v1/chat/completions", CHAT, {"echo": True, "logprobs": True, "top_logprobs": 2}, True),
+    ("/v1/chat/completions", CHAT, {"logprobs": True, "top_logprobs": 2}, False),
+])
+async def test_prompt_logprobs_go_to_d_alone(endpoint, base, extra, alone):
+    """vLLM computes the prompt of a request that wants its logprobs itself (it reads no KV it
+    did not compute: a walkthrough saw P's prefill thrown away); it goes to D alone."""
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        r = await c.client.post(endpoint, json=dict(base, **extra))
+        assert r.status_code == 200 and r.content == d.records[0].sent
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert (p.records == []) is alone and ("kv_transfer_params" in d.records[0].body) \
+            is not alone
+        m = await c.metrics()
+        assert m.get(("kv_push_router_decode_alone_total", (("reason", "prompt_logprobs"),)),
+                     0) == int(alone)
+
+
 async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
     """``vllm bench serve`` calls /tokenize and /detokenize on the URL it benchmarks."""
     async with cluster(n_d=2) as c:

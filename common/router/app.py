@@ -126,7 +126,8 @@ class Metrics:
         self.decode_alone = Counter(
             p + "decode_alone", "Requests sent to a decode server alone, with no P leg and no "
             "KV transfer, by reason (beam_search: vLLM runs beam search as requests of its own, "
-            "which take no kv_transfer_params)", ["reason"], registry=r)
+            "which take no kv_transfer_params; prompt_logprobs: vLLM computes the prompt of such "
+            "a request itself)", ["reason"], registry=r)
         self.prefill_not_held = Counter(
             p + "prefill_not_held", "push: P answers that did not hold the prefill for a KV "
             "transfer (no kv_transfer_params.transfer_id): D computed the prompt itself",
@@ -151,6 +152,17 @@ def lax_true(v: Any) -> bool:
     if isinstance(v, str):
         return v.lower() in _TRUE_STRINGS
     return v is True or (type(v) in (int, float) and v == 1)
+
+
+def wants_prompt_logprobs(body: dict, chat: bool) -> bool:
+    """Whether vLLM computes the prompt's logprobs for this request (``prompt_logprobs``, or
+    ``echo`` with ``logprobs`` / chat's ``top_logprobs``: vLLM 0.29 and 0.32 alike). Such a
+    request reads no KV it did not compute itself (vLLM sets ``skip_reading_prefix_cache``,
+    which also refuses a connector's KV)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return lax_true(body.get("echo")) and body.get("top_logprobs" if chat else "logprobs") \
+        is not None
 
 
 def wants_stream(body: dict) -> bool:
@@ -675,7 +687,8 @@ class Router:
         for what vLLM cannot disaggregate. Beam search: vLLM runs it as requests of its own
         whose sampling parameters do not carry the leg's kv_transfer_params, so P's prefill
         would be thrown away (and, in push mode, P's answer would look like a P that holds no
-        prefills: ``_check_held``) while D computes the prompt anyway."""
+        prefills: ``_check_held``) while D computes the prompt anyway. Prompt logprobs
+        (``wants_prompt_logprobs``): D computes the prompt itself, P's KV unread."""
         ex.p_unsent, ex.alone = True, reason  # P never had it: nothing to release
         self.metrics.decode_alone.labels(reason=reason).inc()
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, ex.body, headers))
@@ -1087,6 +1100,8 @@ class Router:
             headers["Authorization"] = auth
         if lax_true(ex.body.get("use_beam_search")):
             return await self._decode_alone(ex, headers, "beam_search")
+        if wants_prompt_logprobs(ex.body, chat=ex.endpoint.endswith("chat/completions")):
+            return await self._decode_alone(ex, headers, "prompt_logprobs")
         ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex), headers))
         d_params = self._decode_params(ex)
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
