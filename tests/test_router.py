@@ -1360,6 +1360,11 @@ async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
         assert r.json() == {"tokens": [97, 98, 99], "count": 3, "server": "d0",
                             "authorization": "Bearer k"}
         assert (await c.client.post("/detokenize", json={"tokens": [1]})).status_code == 404
+        # what else a vLLM server answers: /version (a decode server's), /ping (/health)
+        assert (await c.client.get("/version")).json() == {"version": "0.32.0+fake"}
+        for method in ("GET", "POST"):
+            r = await c.client.request(method, "/ping")
+            assert r.status_code == 200 and r.json()["status"] == "ok"
         assert not any(f.records for f in c.prefills + c.decodes)  # no legs dispatched
     async with cluster(dead_decode=True) as c:
         r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"})

@@ -1300,7 +1300,7 @@ class Router:
 
     async def forward(self, request: Request, path: str) -> Response:
         """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode
-        server and return its answer as is: for what every server answers alike (``/v1/models``,
+        server and return its answer as is: for what every server answers alike (``/v1/models``, ``/version``,
         ``/tokenize``, ``/detokenize``: one model and tokenizer behind the router). A connection
         failure or time-out is the usual OpenAI-style 502 / 504."""
         assert self.client is not None
@@ -1377,6 +1377,10 @@ def build_app(config: RouterConfig) -> RouterApp:
     async def models(request: Request) -> Response:
         return await router.forward(request, "/v1/models")
 
+    @app.get("/version")  # as a vLLM server answers it (a decode server's)
+    async def version(request: Request) -> Response:
+        return await router.forward(request, "/version")
+
     # `vllm bench serve` aligns its prompts to the server's tokenizer through these
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -1389,6 +1393,10 @@ def build_app(config: RouterConfig) -> RouterApp:
     @app.get("/health")
     async def health(probe: bool = False) -> Response:
         return await router.health(probe)
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's alias of /health (SageMaker)
+    async def ping() -> Response:
+        return await router.health(False)
 
     @app.get("/metrics")
     async def metrics() -> Response:
