@@ -857,7 +857,8 @@ class Router:
 
     async def _finish_prefill_leg(self, ex: Exchange, resp: LegResponse) -> None:
         """Read the rest of a streamed P leg whose token is already out (``_prefill_leg``), so
-        that its connection is reused; then release P's slot."""
+        that its connection is reused; then release P's slot (unless the exchange's end did
+        already: ``Exchange.close``)."""
         try:
             await resp.aread()
         except LEG_ERRORS as exc:  # the token was P's whole answer: nothing of it is lost
@@ -1300,9 +1301,10 @@ class Router:
 
     async def forward(self, request: Request, path: str) -> Response:
         """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode
-        server and return its answer as is: for what every server answers alike (``/v1/models``, ``/version``,
-        ``/tokenize``, ``/detokenize``: one model and tokenizer behind the router). A connection
-        failure or time-out is the usual OpenAI-style 502 / 504."""
+        server and return its answer as is: for what every server answers alike
+        (``/v1/models``, ``/version``, ``/tokenize``, ``/detokenize``: one model and tokenizer
+        behind the router). A connection failure or time-out is the usual OpenAI-style 502 /
+        504."""
         assert self.client is not None
         url = self.decode_pool.backends[0].url
         headers = {k: v for k, v in request.headers.items()
