@@ -217,6 +217,9 @@ class Decoder:
         # producer agents we gave up on -> when they count as dead (their lifeline is closed,
         # but WRITEs they posted before they noticed may still land until then)
         self._giving_up: dict[str, float] = {}
+        # producers whose last handshake with this decoder ended in a refusal (-> its reason),
+        # until one succeeds: a registration only so such a producer lets go is not sent
+        self._refused: dict[Address, str] = {}
 
     def _my_hello(self) -> Hello:
         if self._hello is None:
@@ -265,6 +268,15 @@ class Decoder:
     # -- connection and registration -----------------------------------------------------------
     def _advance(self, want: _Want) -> None:
         if want.state != "connecting":
+            return
+        if want.num_tokens <= want.first_token and want.address in self._refused:
+            # nothing wanted, only that the producer let go -- of a prefill this decoder could
+            # never have taken: it refused this decoder, and another handshake would only be
+            # refused (and counted) again, e.g. for the request whose failure that refusal was,
+            # which vLLM ends as a request that never asked (the router reads the count). The
+            # router's Release or the producer's time-out frees that prefill.
+            self._finish(want, "released", f"the producer refused this decoder: "
+                         f"{self._refused[want.address]}")
             return
         remote = self.remotes.get(want.address)
         if remote is None:
@@ -437,6 +449,7 @@ class Decoder:
             self._severs[peer.agent_name] = sever
         remote.engine_id = welcome.engine_id
         remote.rank_peers[rank] = peer.agent_name
+        self._refused.pop(remote.address, None)
         if rank == 0:
             remote.tp_size = welcome.geometry.tp_size
             ports = tuple(welcome.side_channel_ports) or (remote.address[1],)
@@ -465,6 +478,7 @@ class Decoder:
         host, port = remote.address
         rank_port = remote.ports[rank] if rank < len(remote.ports) else port
         if refused is not None:
+            self._refused[remote.address] = refused
             self.ctx.counters.inc("handshake_refusals", label=f"{host}:{port} {refused}")
             self._log.warn(f"refused {host}:{port} {rank} {refused}",
                            "kv_push: producer %s:%d (rank %d) and this decoder are incompatible, "

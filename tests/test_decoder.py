@@ -920,6 +920,29 @@ def test_a_refused_pair_is_counted_per_producer_and_logged_once(caplog):
     assert len(failed) == 1, [r.getMessage() for r in failed]  # one per reason, not per request
 
 
+def test_a_refusing_producer_is_not_dialled_again_only_to_let_go():
+    """After a refusal fails a request, vLLM ends a request of that transfer that never asked
+    for anything, and the connector asks the producer to let go of its prefill (a registration
+    with no blocks). That took a second handshake, refused and counted again: a walkthrough saw
+    D's refusal count go up by two per failed request, the second with D's next engine step
+    (so a router restarted in between took it for a new refusal). A request that wants KV still
+    tries again: the producer may have been reconfigured."""
+    pair = Pair(d_geometry=d_geom(head_size=16))
+    pair.expect()
+    pair.settle()
+    assert [o.kind for o in pair.outcomes()] == ["failed"]
+    pair.d.thread.submit(lambda: pair.decoder.expect("release:x", "t1", 0, (HOST, PORT), (),
+                                                     0, 0))
+    pair.settle()
+    # one handshake, not two
+    assert pair.d.count("handshake_refusals") == 1 and pair.d.count("handshake_failures") == 1
+    assert pair.decoder.wants == {} and pair.idle()
+    pair.expect(key="d-2", tid="t2")
+    pair.settle()
+    assert [o.kind for o in pair.outcomes()] == ["released", "failed"]
+    assert pair.d.count("handshake_refusals") == 2
+
+
 def test_a_handshake_that_fails_for_other_reasons_is_not_a_refusal():
     b = Bench()
     b.refuse[PORT] = "side channel 10.0.0.7:7000: [Errno 111] Connection refused"
