@@ -217,9 +217,10 @@ class Decoder:
         # producer agents we gave up on -> when they count as dead (their lifeline is closed,
         # but WRITEs they posted before they noticed may still land until then)
         self._giving_up: dict[str, float] = {}
-        # producers whose last handshake with this decoder ended in a refusal (-> its reason),
-        # until one succeeds: a registration only so such a producer lets go is not sent
-        self._refused: dict[Address, str] = {}
+        # producers whose last handshake with this decoder ended in a refusal -> (its reason,
+        # when), until one succeeds: a registration only so such a producer lets go is not
+        # sent for heartbeat_interval_s after the refusal
+        self._refused: dict[Address, tuple[str, float]] = {}
 
     def _my_hello(self) -> Hello:
         if self._hello is None:
@@ -269,14 +270,16 @@ class Decoder:
     def _advance(self, want: _Want) -> None:
         if want.state != "connecting":
             return
-        if want.num_tokens <= want.first_token and want.address in self._refused:
+        refused = self._refused.get(want.address)
+        if want.num_tokens <= want.first_token and refused is not None \
+                and self.ctx.clock() - refused[1] < self.ctx.config.heartbeat_interval_s:
             # nothing wanted, only that the producer let go -- of a prefill this decoder could
-            # never have taken: it refused this decoder, and another handshake would only be
-            # refused (and counted) again, e.g. for the request whose failure that refusal was,
-            # which vLLM ends as a request that never asked (the router reads the count). The
-            # router's Release or the producer's time-out frees that prefill.
-            self._finish(want, "released", f"the producer refused this decoder: "
-                         f"{self._refused[want.address]}")
+            # not have taken: the producer refused this decoder just now, and another handshake
+            # would only be refused (and counted) again, e.g. for the request whose failure
+            # that refusal was, which vLLM ends as a request that never asked (the router reads
+            # the count). The router's Release or the producer's time-out frees that prefill.
+            # (Bounded in time: a producer fixed at the same address gets releases again.)
+            self._finish(want, "released", f"the producer refused this decoder: {refused[0]}")
             return
         remote = self.remotes.get(want.address)
         if remote is None:
@@ -478,7 +481,7 @@ class Decoder:
         host, port = remote.address
         rank_port = remote.ports[rank] if rank < len(remote.ports) else port
         if refused is not None:
-            self._refused[remote.address] = refused
+            self._refused[remote.address] = (refused, self.ctx.clock())
             self.ctx.counters.inc("handshake_refusals", label=f"{host}:{port} {refused}")
             self._log.warn(f"refused {host}:{port} {rank} {refused}",
                            "kv_push: producer %s:%d (rank %d) and this decoder are incompatible, "

@@ -187,6 +187,15 @@ def _release_only(claim: Claim) -> bool:
     return bool(claim.regs) and all(r.release_only for r in claim.regs.values())
 
 
+
+def _note_bounded(seen: "OrderedDict[Any, float]", key: Any, now: float) -> None:
+    """Note ``key`` as seen ``now`` in a bounded record (``MAX_RELEASED_TIDS``, oldest out)."""
+    seen[key] = now
+    seen.move_to_end(key)
+    while len(seen) > MAX_RELEASED_TIDS:
+        seen.popitem(last=False)
+
+
 class Producer:
     handles = (Register, Cancel)
 
@@ -401,21 +410,12 @@ class Producer:
             self.rdv.close(source.rdv_key)
         self._settle(source.rdv_key)
 
-    def _remember_expired(self, rdv_key: RdvKey, now: float) -> None:
-        self.expired_keys[rdv_key] = now
-        self.expired_keys.move_to_end(rdv_key)
-        while len(self.expired_keys) > MAX_RELEASED_TIDS:
-            self.expired_keys.popitem(last=False)
-
     def release(self, transfer_ids) -> None:
         """The router released ``transfer_ids`` (see the module doc): free every source of them
         that no decoder has claimed, close the others, and refuse later registrations."""
         now = self.ctx.clock()
         for tid in transfer_ids:
-            self.released_tids[tid] = now
-            self.released_tids.move_to_end(tid)
-            while len(self.released_tids) > MAX_RELEASED_TIDS:
-                self.released_tids.popitem(last=False)
+            _note_bounded(self.released_tids, tid, now)
             for rdv_key in self.rdv.keys_of(tid):
                 self._close(rdv_key)
                 # decoder requests that only let go (release-only registrations) and still wait
@@ -462,8 +462,9 @@ class Producer:
         if msg.geometry_digest != peer.geometry_digest:
             self._tell_failed(reg, "layout changed since handshake; reconnect", 0)
             raise MessageRejected("bad_layout", f"stale geometry digest from {peer.engine_id}")
-        if reg.release_only and (
-                reg.request in self.tombstones or reg.transfer_id in self.released_tids):
+        if reg.release_only and (reg.request in self.tombstones
+                                 or reg.transfer_id in self.released_tids
+                                 or reg.rdv_key in self.expired_keys):
             # a release-only registration (the decoder's request ended before it asked for
             # anything) of a transfer already let go: both sides agree, nothing to answer
             self._remember(reg.request, reg.tp_rank, reg.attempt, 0)
@@ -782,7 +783,7 @@ class Producer:
                 self._tell_failed(reg, "no prefill arrived in time", 0)
         for src in sources:
             self.ctx.counters.inc("expired")
-            self._remember_expired(src.rdv_key, now)
+            _note_bounded(self.expired_keys, src.rdv_key, now)
             if not src.failure:
                 logger.warning("kv_push: prefill %s of transfer %s expired (not every decoder "
                                "rank it serves was resolved in time)", src.key, src.transfer_id)

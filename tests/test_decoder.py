@@ -937,10 +937,16 @@ def test_a_refusing_producer_is_not_dialled_again_only_to_let_go():
     # one handshake, not two
     assert pair.d.count("handshake_refusals") == 1 and pair.d.count("handshake_failures") == 1
     assert pair.decoder.wants == {} and pair.idle()
+    # not for long: a producer fixed at the same address is asked to let go again
+    pair.clock.advance(pair.decoder.ctx.config.heartbeat_interval_s)
+    pair.d.thread.submit(lambda: pair.decoder.expect("release:y", "t1", 0, (HOST, PORT), (),
+                                                     0, 0))
+    pair.settle()
+    assert pair.d.count("handshake_refusals") == 2
     pair.expect(key="d-2", tid="t2")
     pair.settle()
-    assert [o.kind for o in pair.outcomes()] == ["released", "failed"]
-    assert pair.d.count("handshake_refusals") == 2
+    assert [o.kind for o in pair.outcomes()] == ["released", "failed", "failed"]
+    assert pair.d.count("handshake_refusals") == 3
 
 
 def test_a_handshake_that_fails_for_other_reasons_is_not_a_refusal():

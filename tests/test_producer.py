@@ -764,6 +764,9 @@ def test_a_registration_after_its_prefill_expired_fails_at_once():
     assert b.p.count("stale", label="registration_after_expiry") == 1 and b.idle()
     b.register(tid="t2", reg="d-2")  # other transfers are not affected
     assert b.got() == [] and b.p.count("registrations_early") == 1
+    # a decoder request that only lets go (release-only) is no failure: dropped quietly
+    b.register(reg="d-4", blocks=(), num_tokens=0)
+    assert b.got() == [] and b.p.count("stale", label="registration_after_expiry") == 1
     # a prefill of the expired key that comes later (preempted and run again) takes a request
     b.prefill(key="req-2")
     b.register(reg="d-3")

@@ -1253,9 +1253,13 @@ def test_a_pair_that_works_again_is_not_marked_on_refusals_counted_before():
     compat.baseline({"p2": "kv:2"}, "d", {})  # (the router's read at its start)
     assert not compat.worked("p2", "d")
     assert compat.judge("p2", "kv:2", "d", {"kv:2": (REFUSAL, 1.0)}).reason == REFUSAL
-    # a pair the router could not read at its start: its first look is the baseline
-    assert compat.judge("p3", "kv:3", "d", {"kv:3": (REFUSAL, 4.0)}) is None
-    assert compat.judge("p3", "kv:3", "d", {"kv:3": (REFUSAL, 5.0)}).reason == REFUSAL
+    # a pair the router could not read at its start (its D not up yet): every refusal counts
+    assert compat.judge("p3", "kv:3", "d", {"kv:3": (REFUSAL, 1.0)}).reason == REFUSAL
+    # a /metrics that cannot be read (None) tells nothing: no false restart, no new baseline
+    compat.baseline({"p4": "kv:4"}, "d", {"kv:4": (REFUSAL, 5.0)})
+    assert compat.judge("p4", "kv:4", "d", None) is None
+    assert compat.judge("p4", "kv:4", "d", {"kv:4": (REFUSAL, 5.0)}) is None
+    assert compat.judge("p", "kv:1", "d", None).reason == REFUSAL  # (still marked)
 
 
 async def test_probe_finds_an_incompatible_pair_before_any_request():
@@ -1334,6 +1338,7 @@ async def test_beam_search_goes_to_d_alone(endpoint, base, mode):
     ("/v1/completions", COMPLETION, {"logprobs": 2}, False),
     ("/v1/chat/completions", CHAT, {"prompt_logprobs": 1}, True),
     ("/v1/chat/completions", CHAT, {"echo": True, "logprobs": True, "top_logprobs": 2}, True),
+    ("/v1/chat/completions", CHAT, {"echo": True}, True),  # (top_logprobs defaults to 0)
     ("/v1/chat/completions", CHAT, {"logprobs": True, "top_logprobs": 2}, False),
 ])
 async def test_prompt_logprobs_go_to_d_alone(endpoint, base, extra, alone):
@@ -1349,6 +1354,19 @@ async def test_prompt_logprobs_go_to_d_alone(endpoint, base, extra, alone):
         m = await c.metrics()
         assert m.get(("kv_push_router_decode_alone_total", (("reason", "prompt_logprobs"),)),
                      0) == int(alone)
+
+
+async def test_a_request_for_d_alone_holds_no_slot_of_p():
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        d.behavior.delay = 0.5
+        task = asyncio.ensure_future(c.client.post(
+            "/v1/completions", json=dict(COMPLETION, use_beam_search=True, n=2)))
+        await eventually(lambda: bool(d.records), "D's leg")
+        pb, db = c.router.prefill_pool.backends[0], c.router.decode_pool.backends[0]
+        assert (pb.outstanding, db.outstanding) == (0, 1)
+        assert (await task).status_code == 200
+        await eventually(lambda: all_idle(c), "router to be idle")
 
 
 async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():

@@ -155,14 +155,19 @@ def lax_true(v: Any) -> bool:
 
 
 def wants_prompt_logprobs(body: dict, chat: bool) -> bool:
-    """Whether vLLM computes the prompt's logprobs for this request (``prompt_logprobs``, or
-    ``echo`` with ``logprobs`` / chat's ``top_logprobs``: vLLM 0.29 and 0.32 alike). Such a
-    request reads no KV it did not compute itself (vLLM sets ``skip_reading_prefix_cache``,
-    which also refuses a connector's KV)."""
+    """Whether vLLM computes the prompt's logprobs for this request: ``prompt_logprobs``, or
+    ``echo`` with a completion's ``logprobs`` -- or any chat ``echo``: chat's ``top_logprobs``
+    defaults to 0, not None, in vLLM 0.29 and 0.32, so an echo alone asks for them (an explicit
+    ``top_logprobs: null`` on 0.29 does not; such a request goes to D alone anyway). vLLM 0.32
+    reads no KV it did not compute for such a request (``skip_reading_prefix_cache`` refuses a
+    connector's KV too), so P's prefill would be thrown away; vLLM 0.29's scheduler still
+    takes the connector's KV for it, and D's prompt logprobs would then miss the tokens it
+    did not compute."""
     if body.get("prompt_logprobs") is not None:
         return True
-    return lax_true(body.get("echo")) and body.get("top_logprobs" if chat else "logprobs") \
-        is not None
+    if not lax_true(body.get("echo")):
+        return False
+    return chat or body.get("logprobs") is not None
 
 
 def wants_stream(body: dict) -> bool:
@@ -235,15 +240,11 @@ class LegResponse:
 
     async def read_head(self, head: StreamHead) -> bytes:
         """Feed the body to ``head`` as it comes until its kind is known or the body ends;
-        returns what was read (the rest, if any, is for :meth:`aread`)."""
-        data = bytearray()
+        returns what was read (``head.data``; the rest, if any, is for :meth:`aread`)."""
         while True:
             chunk = await self._resp.content.readany()
-            if not chunk:
-                return bytes(data)
-            data += chunk
-            if head.feed(chunk) is not None:
-                return bytes(data)
+            if not chunk or head.feed(chunk) is not None:
+                return head.data
 
     @property
     def at_eof(self) -> bool:
@@ -690,6 +691,7 @@ class Router:
         prefills: ``_check_held``) while D computes the prompt anyway. Prompt logprobs
         (``wants_prompt_logprobs``): D computes the prompt itself, P's KV unread."""
         ex.p_unsent, ex.alone = True, reason  # P never had it: nothing to release
+        ex.p.release()  # nor a slot of P's to hold
         self.metrics.decode_alone.labels(reason=reason).inc()
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, ex.body, headers))
         stream = await self._await(ex, ex.d_task)
@@ -863,6 +865,8 @@ class Router:
             await resp.aread()
         except LEG_ERRORS as exc:  # the token was P's whole answer: nothing of it is lost
             logger.debug("tid=%s: the end of P's answer could not be read: %r", ex.tid, exc)
+        except Exception:  # never into a task nobody awaits
+            logger.exception("tid=%s: reading the end of P's answer failed", ex.tid)
         finally:
             await resp.aclose()
             ex.p.release()
@@ -941,13 +945,9 @@ class Router:
         ex.d = lease
         return True
 
-    async def _refusals(self, d_url: str) -> dict[str, tuple[str, float]]:
-        """D's KV handshake refusals by producer side channel (``compat.parse_refusals``);
-        empty when D's ``/metrics`` cannot be read."""
-        return await self._read_refusals(d_url) or {}
-
     async def _read_refusals(self, d_url: str) -> dict[str, tuple[str, float]] | None:
-        """``_refusals``, None when D's ``/metrics`` cannot be read."""
+        """D's KV handshake refusals by producer side channel (``compat.parse_refusals``);
+        None when D's ``/metrics`` cannot be read (not "no refusals": ``PairCompat.judge``)."""
         assert self.client is not None
         try:
             r = await self.client.get(d_url + "/metrics", timeout=self.config.health_probe_timeout)
@@ -978,7 +978,7 @@ class Router:
             return
         for attempt in range(3):
             found = self.compat.judge(spec.url, spec.kv, ex.d.backend.url,
-                                      await self._refusals(ex.d.backend.url))
+                                      await self._read_refusals(ex.d.backend.url))
             if found is not None:
                 self.metrics.upstream_errors.labels(leg="decode", kind="incompatible").inc()
                 logger.warning("tid=%s decode leg failed: %s", ex.tid, found.message())
@@ -1258,7 +1258,7 @@ class Router:
                 b.kv_unreachable = kv_problem
         if probe and self.config.mode == "push":  # what each D says about each P
             decodes = self.decode_pool.backends
-            refusals = await asyncio.gather(*(self._refusals(d.url) for d in decodes))
+            refusals = await asyncio.gather(*(self._read_refusals(d.url) for d in decodes))
             for d, found in zip(decodes, refusals):
                 for p in self.prefill_pool.backends:
                     if p.spec is not None and p.spec.kv is not None:

@@ -10,20 +10,23 @@ D dialled, i.e. the router's ``kv=`` of that P); the router reads D's ``/metrics
 fails and when ``/health?probe=true`` is asked, and so can tell the client and the operator why.
 
 A refusal counted before a later success of the same pair is history (one side was
-reconfigured): only refusals beyond D's count when the pair last worked mark it. So are the
-refusals D counted before this router started: it reads every D's count at start-up
-(``baseline``); a pair it could not read then takes D's count at its first look instead (a
-failure at that look is left unexplained). A count below the baseline means D restarted: its
-refusals since then are new. (Until 2026-12-05 a restarted router took every refusal D had ever
-counted for new: a pair that had been fixed showed as incompatible, ``/health`` answered 503
-until a request went through it -- which a readiness check that takes the router out of service
-never lets happen -- and a failure of D for any other reason was blamed on the old refusal.) When a pair
+reconfigured): only refusals beyond D's count when the pair last worked mark it. When a pair
 with refusals on record works, the router does not know D's count at that moment -- it read it
 earlier, and D may have counted more since (several for one failed request, or for requests the
 router did not look at) -- so ``worked`` asks for a fresh read (``rebase``), and until then
 the next look only takes D's count as the baseline (a failure in between is left unexplained
 rather than wrongly explained: a pair that works again must not be reported incompatible on its
 old refusals). A pair with no refusals on record keeps the count of the last look.
+
+The refusals D counted before this router started are history too: it reads every D's count at
+start-up (``baseline``). A D it could not read then (not up yet, as when everything starts together)
+has its every refusal counted, as before. A count below the baseline means D restarted: what it
+counted since is new (a restarted D whose count has climbed back to the baseline is not told
+apart). A ``/metrics`` that cannot be read tells nothing: the pair stays as it was. (Until
+2026-12-05 a restarted router took every refusal D had ever counted for new: a pair that had
+been fixed showed as incompatible, ``/health`` answered 503 until a request went through it --
+which a readiness check that takes the router out of service never lets happen -- and a failure
+of D for any other reason was blamed on the old refusal.)
 """
 
 from __future__ import annotations
@@ -119,14 +122,17 @@ class PairCompat:
         self._cleared: dict[tuple[str, str], float | None] = {}
 
     def judge(self, prefill: str, kv: str, decode: str,
-              refusals: dict[str, tuple[str, float]]) -> Incompatibility | None:
-        """Given D's refusals (``parse_refusals``), is the pair incompatible now? Logs the
-        first time it is (and again when the reason changes)."""
+              refusals: dict[str, tuple[str, float]] | None) -> Incompatibility | None:
+        """Given D's refusals (``parse_refusals``; None: D's ``/metrics`` could not be read,
+        which tells nothing), is the pair incompatible now? Logs the first time it is (and
+        again when the reason changes)."""
         pair = (prefill, decode)
+        if refusals is None:
+            return self.incompatible.get(pair)
         reason, count = refusals.get(kv, ("", 0.0))
         self._seen[pair] = count
-        cleared = self._cleared.get(pair)
-        if cleared is None:  # the first look (no baseline), or the first after the pair worked
+        cleared = self._cleared.get(pair, 0.0)
+        if cleared is None:  # the first look after the pair worked (no read since)
             self._cleared[pair] = count
             return None
         if count < cleared:  # D restarted (its counters with it): all it counted since is new
@@ -165,7 +171,7 @@ class PairCompat:
         was = self.incompatible.pop(pair, None) is not None
         if was:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
-        if was or self._seen.get(pair, 0.0) > 0 or self._cleared.get(pair) is None:
+        if was or self._seen.get(pair, 0.0) > 0 or self._cleared.get(pair, 0.0) is None:
             self._cleared[pair] = None  # D's count now is unknown: rebase, or the next look
             return True
         self._cleared[pair] = self._seen.get(pair, 0.0)
@@ -176,6 +182,6 @@ class PairCompat:
         """D's refusals read right after the pair worked (None: D's ``/metrics`` could not be
         read): its count is the baseline (unless a look since then took one)."""
         pair = (prefill, decode)
-        if refusals is not None and self._cleared.get(pair) is None:
+        if refusals is not None and self._cleared.get(pair, 0.0) is None:
             count = refusals.get(kv, ("", 0.0))[1]
             self._cleared[pair] = self._seen[pair] = count
