@@ -319,6 +319,7 @@ class _Waiting:
     local_tokens: int = 0
     staged: bool = False  # an Expect went out for the current allocation
     attempt: int = -1  # the newest attempt staged (-1: none yet)
+    local_only: bool = False  # computed here whatever the producer holds (prompt logprobs)
 
 
 class PushScheduler:
@@ -431,6 +432,17 @@ class PushScheduler:
                 return 0, False
         w.local_tokens = num_computed_tokens
         if count <= 0:
+            return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # the request wants its prompt's logprobs (vLLM sets this for prompt_logprobs and
+            # echo with logprobs): vLLM computes such a prompt itself -- 0.32 ignores a
+            # connector's tokens for it, and 0.29 takes them but its API server then dies
+            # decoding the prompt logprobs of tokens it did not compute (OverflowError in
+            # convert_ids_list_to_tokens, seen 2026-12-05). So nothing is loaded: the request
+            # is computed here, and the producer is told to let go (update_state_after_alloc)
+            if not w.local_only:
+                w.local_only = True
+                self.counters.inc("local_prefills", label="prompt_logprobs")
             return 0, False
         return count, True
 

@@ -42,6 +42,9 @@ COUNTERS = {
                           "the stream), layout (a registration wanting other bytes: other "
                           "heads, a prefix, no slot; it waited for the complete prefill), error",
     "registrations_sent": "registrations sent by this decoder",
+    "local_prefills": "decoder requests with a remote prefill that this decoder computes "
+                      "itself, by reason (prompt_logprobs: vLLM computes the prompt of a "
+                      "request that wants its logprobs; the producer is told to let go)",
     "cancels": "cancels sent (decoder) or honoured (producer)",
     "cancels_resent": "unanswered cancels sent again (decoder)",
     "fence_timeouts": "producers given up on after fence_timeout_s without answering a cancel",

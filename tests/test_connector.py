@@ -123,6 +123,24 @@ def test_full_local_hit_tells_the_producer_to_release():
     assert e.key == RELEASE_KEY_PREFIX + "r1" and e.block_ids == () and e.first_token == 64
 
 
+def test_a_request_that_wants_prompt_logprobs_is_computed_here_and_p_let_go():
+    """vLLM sets skip_reading_prefix_cache for prompt logprobs (and echo with logprobs): 0.32
+    drops a connector's tokens for it, but 0.29 takes them, and its API server then died
+    decoding prompt logprobs of tokens it did not compute (a router that sent such a request
+    to P and D killed D). Nothing is loaded; the producer is told to let go, once."""
+    s = decoder()
+    r = req("r1", dict(D_PARAMS), prompt_len=100)
+    r.skip_reading_prefix_cache = True
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again: not counted again
+    assert s.counters.get("local_prefills", label="prompt_logprobs") == 1
+    s.update_state_after_alloc(r, list(range(7)), 0)
+    (e,) = s.take_plan().expects
+    assert e.key == RELEASE_KEY_PREFIX + "r1" and e.block_ids == () and e.num_tokens == 0
+    assert s.request_finished(r, list(range(7)), finished_ok=True) == (False, None)
+    assert not s.take_plan()  # nothing more to tell
+
+
 def test_decoder_abort_while_waiting_cancels_and_abort_before_alloc_releases_p():
     s = decoder()
     r = req("r1", dict(D_PARAMS))
