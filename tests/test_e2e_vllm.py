@@ -374,6 +374,27 @@ def test_upstream_form_from_the_client_matches_single_server(stack, prompts, fig
             waited)
 
 
+def test_prompt_logprobs_sent_to_p_and_d_are_computed_on_d(stack, prompts):
+    """A router that sends a request wanting its prompt's logprobs to P and D (the upstream
+    form here; ours did too before 2026-12-05): vLLM computes such a prompt itself, yet vLLM
+    0.29 took the connector's KV for it and its API server then died decoding the logprobs of
+    tokens it had not computed (the whole D server shut down). D now loads nothing: it answers
+    with a logprob for every prompt token, counts a local prefill, stays up, and P lets go."""
+    p, d = stack["p"], stack["d"]
+    before = metric(d.url, "vllm:kv_push_local_prefills_total", reason="prompt_logprobs")
+    req = dict(body(prompts[11]), prompt_logprobs=1)
+    _, d_json = _upstream_legs(stack, req, f"upstream-plp-{uuid.uuid4().hex}")
+    plp = d_json["choices"][0]["prompt_logprobs"]
+    assert len(plp) == d_json["usage"]["prompt_tokens"] and plp[0] is None and all(plp[1:])
+    deadline = time.monotonic() + 30  # stats are published with the engine's outputs
+    while metric(d.url, "vllm:kv_push_local_prefills_total", reason="prompt_logprobs") \
+            < before + 1:
+        assert time.monotonic() < deadline, "D's local prefill never reached /metrics"
+        time.sleep(0.5)
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 200
+    assert_idle([p, d], within=RENDEZVOUS_TTL_S + 30)
+
+
 def test_router_in_upstream_push_mode_drives_our_connector(stack, prompts, tmp_path):
     """Our router's ``--mode upstream-push`` (written for vLLM's ``NixlPushConnector``) in front
     of our servers: it learns P's engine id from P's first answer (that request goes serially),
