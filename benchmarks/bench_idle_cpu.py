@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from bench_meta import default_python, source_commit
+from bench_meta import add_python_arg, source_commit
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, router,
                                                  vllm_server)
 
@@ -72,9 +72,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--settle-s", type=float, default=5.0)
     ap.add_argument("--window-s", type=float, default=20.0)
-    ap.add_argument("--python", default=default_python(),
-                    help="the servers' interpreter (default: this checkout's .venv if it has "
-                         "one, else the one running this script)")
+    add_python_arg(ap)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "idle_cpu.json"))
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="idle-cpu-"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -25,9 +26,11 @@ def source_commit() -> str:
     return commit
 
 
-def default_python() -> str:
-    """The interpreter a benchmark starts its servers with: the checkout's ``.venv`` where it
-    has one (``make`` builds it), else the interpreter running the benchmark (a fresh clone run
-    with another checkout's venv)."""
-    venv = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
+def add_python_arg(ap: argparse.ArgumentParser) -> None:
+    """``--python``: the interpreter a benchmark starts its servers with; by default the
+    checkout's ``.venv`` where it has one (``make`` builds it), else the interpreter running the
+    benchmark (a fresh clone run with another checkout's venv)."""
+    venv = REPO / ".venv" / "bin" / "python"
+    ap.add_argument("--python", default=str(venv) if venv.exists() else sys.executable,
+                    help="the servers' interpreter (default: this checkout's .venv if it has "
+                         "one, else the one running this script)")

@@ -68,7 +68,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_meta import default_python  # noqa: E402
+from bench_meta import add_python_arg  # noqa: E402
 from serving_client import arrivals, make_prompts, run_closed, run_point, warm_up  # noqa: E402
 from serving_load import RULES, LoadMonitor, judge, pass_load, raw_loadavg  # noqa: E402
 from serving_stats import (CONC1, GOAL_VS_PULL, GOAL_VS_UPSTREAM, OURS, fmt_ratio,  # noqa: E402
@@ -678,9 +678,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None,
                     help="model dir (default: the tiny model in .work/tiny-model, built if needed)")
-    ap.add_argument("--python", default=default_python(),
-                    help="the servers' interpreter (default: this checkout's .venv if it has "
-                         "one, else the one running this script)")
+    add_python_arg(ap)
     ap.add_argument("--p-cpu", type=int, default=0, help="P's core (and the single server's)")
     ap.add_argument("--d-cpu", type=int, default=1)
     ap.add_argument("--pin", choices=("server", "worker"), default="server",

@@ -85,7 +85,7 @@ from typing import Any
 
 import httpx
 
-from bench_meta import default_python, source_commit
+from bench_meta import add_python_arg, source_commit
 from kv_push.common import timing
 from kv_push.common.testing.sse_lines import sse_lines
 from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_port, metric,
@@ -559,9 +559,7 @@ def main() -> None:
                     "P's and D's cores are busy while a request runs, how much of the P/D "
                     "overhead is the router waiting for a CPU (a router on a core of its own "
                     "does not wait); 0: as started")
-    ap.add_argument("--python", default=default_python(),
-                    help="the servers' interpreter (default: this checkout's .venv if it has "
-                         "one, else the one running this script)")
+    add_python_arg(ap)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "ttft_breakdown.json"),
                     help="JSON (and .md beside it); the default overwrites the committed result")
     ap.add_argument("--log-dir", default="")

@@ -319,7 +319,6 @@ class _Waiting:
     local_tokens: int = 0
     staged: bool = False  # an Expect went out for the current allocation
     attempt: int = -1  # the newest attempt staged (-1: none yet)
-    local_only: bool = False  # computed here whatever the producer holds (prompt logprobs)
 
 
 class PushScheduler:
@@ -440,9 +439,6 @@ class PushScheduler:
             # decoding the prompt logprobs of tokens it did not compute (OverflowError in
             # convert_ids_list_to_tokens, seen 2026-12-05). So nothing is loaded: the request
             # is computed here, and the producer is told to let go (update_state_after_alloc)
-            if not w.local_only:
-                w.local_only = True
-                self.counters.inc("local_prefills", label="prompt_logprobs")
             return 0, False
         return count, True
 
@@ -457,7 +453,10 @@ class PushScheduler:
         w.attempt += 1
         digest = prompt_digest(getattr(request, "prompt_token_ids", None))
         if num_external_tokens <= 0:
-            # nothing to receive (full local hit): let the producer free its blocks now
+            # nothing to receive (a full local hit, or a request computed here: prompt
+            # logprobs): let the producer free its blocks now
+            if getattr(request, "skip_reading_prefix_cache", False):
+                self.counters.inc("local_prefills", label="prompt_logprobs")
             self._plan.expects.append(Expect(
                 RELEASE_KEY_PREFIX + request.request_id, p.transfer_id, w.attempt, p.remote_host,
                 p.remote_port, (), w.local_tokens, w.local_tokens, digest))

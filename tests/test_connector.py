@@ -132,9 +132,9 @@ def test_a_request_that_wants_prompt_logprobs_is_computed_here_and_p_let_go():
     r = req("r1", dict(D_PARAMS), prompt_len=100)
     r.skip_reading_prefix_cache = True
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again: not counted again
-    assert s.counters.get("local_prefills", label="prompt_logprobs") == 1
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # asked again (no blocks yet)
     s.update_state_after_alloc(r, list(range(7)), 0)
+    assert s.counters.get("local_prefills", label="prompt_logprobs") == 1  # once
     (e,) = s.take_plan().expects
     assert e.key == RELEASE_KEY_PREFIX + "r1" and e.block_ids == () and e.num_tokens == 0
     assert s.request_finished(r, list(range(7)), finished_ok=True) == (False, None)

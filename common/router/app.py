@@ -690,25 +690,25 @@ class Router:
         would be thrown away (and, in push mode, P's answer would look like a P that holds no
         prefills: ``_check_held``) while D computes the prompt anyway. Prompt logprobs
         (``wants_prompt_logprobs``): D computes the prompt itself, P's KV unread."""
-        ex.p_unsent, ex.alone = True, reason  # P never had it: nothing to release
-        ex.p.release()  # nor a slot of P's to hold
+        ex.alone = reason
+        ex.p.release()  # P never has it: no slot of P's to hold, nothing to release
         self.metrics.decode_alone.labels(reason=reason).inc()
         ex.d_task = asyncio.ensure_future(self._open_decode(ex, ex.body, headers))
         stream = await self._await(ex, ex.d_task)
-        self.decode_answered(ex, stream, kv=False)
+        self.decode_answered(ex, stream)
         if stream.output:
             self._first_token_sent(ex, "decode", ex.first_token_off or reason)
         return stream
 
-    def decode_answered(self, ex: Exchange, d: DecodeStream, kv: bool = True) -> None:
-        """D's leg answered: note whether it produced output, and (push mode, ``kv``: the
-        request went through P and D) that this P/D pair works."""
+    def decode_answered(self, ex: Exchange, d: DecodeStream) -> None:
+        """D's leg answered: note whether it produced output, and (push mode, unless D got it
+        alone) that this P/D pair works."""
         ex.decode_output = d.output
         if not d.output:  # its stream opened with an error event: passed on, counted --
             # as a rejection where the event says 4xx (the client's request, e.g. a token id
             # outside the vocabulary: vLLM answers 200, then such an event), as for a 4xx status
             ex.outcome = "rejected" if d.refused else "decode_error"
-        elif kv and self.config.mode == "push" and d.status_code < 400:
+        elif self.config.mode == "push" and not ex.alone and d.status_code < 400:
             ex.p.backend.kv_unreachable = None
             p_url, d_url, spec = ex.p.backend.url, ex.d.backend.url, ex.p.backend.spec
             if self.compat.worked(p_url, d_url) and spec is not None and spec.kv is not None:
@@ -766,7 +766,8 @@ class Router:
         nobody else will make P let go of its prefill -- queue a ``Release`` of its transfer id
         to P's side channel (sent in the background)."""
         spec = ex.p.backend.spec
-        if self.config.mode != "push" or spec is None or spec.kv_host is None or ex.p_unsent:
+        if self.config.mode != "push" or spec is None or spec.kv_host is None or ex.p_unsent \
+                or ex.alone:
             return
         assert spec.kv_port is not None
         self.releaser.release(spec.kv_host, spec.kv_port, ex.tid)
@@ -819,19 +820,7 @@ class Router:
                 resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
                 if body.get("stream") and resp.status_code < 400:
                     # one token, streamed: its events (first_token.py), once they hold it
-                    try:
-                        sse = await resp.read_head(PrefillAnswerHead())
-                    except BaseException:
-                        await resp.aclose()
-                        raise
-                    if timing.ENABLED:
-                        timing.stamp("router_p_done", ex.tid)
-                    if resp.at_eof:
-                        await resp.aclose()
-                    else:  # P's usage chunk, [DONE]: the connection goes back to the pool
-                        self.adopt(asyncio.get_running_loop().create_task(
-                            self._finish_prefill_leg(ex, resp)))
-                        reading_on = True
+                    sse, reading_on = await self._prefill_events(ex, resp)
                     return {"sse": sse}
                 try:
                     await resp.aread()
@@ -856,6 +845,24 @@ class Router:
         finally:
             if not reading_on:
                 ex.p.release()
+
+    async def _prefill_events(self, ex: Exchange, resp: LegResponse) -> tuple[bytes, bool]:
+        """A streamed P leg's events up to the one that ends P's choice (``PrefillAnswerHead``),
+        and whether the rest is still being read (``_finish_prefill_leg``, which then releases
+        P's slot)."""
+        try:
+            sse = await resp.read_head(PrefillAnswerHead())
+        except BaseException:
+            await resp.aclose()
+            raise
+        if timing.ENABLED:
+            timing.stamp("router_p_done", ex.tid)
+        if resp.at_eof:
+            await resp.aclose()
+            return sse, False
+        # P's usage chunk, [DONE]: read on in the background, so the connection is reused
+        self.adopt(asyncio.get_running_loop().create_task(self._finish_prefill_leg(ex, resp)))
+        return sse, True
 
     async def _finish_prefill_leg(self, ex: Exchange, resp: LegResponse) -> None:
         """Read the rest of a streamed P leg whose token is already out (``_prefill_leg``), so
@@ -955,16 +962,24 @@ class Router:
             return None
         return parse_refusals(r.text) if r.status_code == 200 else None
 
+    async def _every_decoders_refusals(self) -> list[tuple[str, dict | None]]:
+        """(decode URL, ``_read_refusals``) for every decoder, read at once."""
+        decodes = self.decode_pool.backends
+        found = await asyncio.gather(*(self._read_refusals(d.url) for d in decodes))
+        return [(d.url, f) for d, f in zip(decodes, found)]
+
+    def _producer_kvs(self) -> dict[str, str]:
+        """Each prefill URL's side channel HOST:PORT (``kv=``), where it has one."""
+        return {p.url: p.spec.kv for p in self.prefill_pool.backends
+                if p.spec is not None and p.spec.kv is not None}
+
     async def _baseline_refusals(self) -> None:
         """(push) Every decoder's KV handshake refusals as this router starts are history
         (``compat``, module doc): a pair fixed before is not reported incompatible on them."""
-        kvs = {p.url: p.spec.kv for p in self.prefill_pool.backends
-               if p.spec is not None and p.spec.kv is not None}
-        decodes = self.decode_pool.backends
-        for d, found in zip(decodes, await asyncio.gather(
-                *(self._read_refusals(d.url) for d in decodes))):
+        kvs = self._producer_kvs()
+        for d_url, found in await self._every_decoders_refusals():
             if found is not None:
-                self.compat.baseline(kvs, d.url, found)
+                self.compat.baseline(kvs, d_url, found)
 
     async def _explain_decode_failure(self, ex: Exchange) -> None:
         """(push mode) D failed the request: if it is because D refused this P at the KV
@@ -1257,12 +1272,10 @@ class Router:
                                                                      for b in flagged))):
                 b.kv_unreachable = kv_problem
         if probe and self.config.mode == "push":  # what each D says about each P
-            decodes = self.decode_pool.backends
-            refusals = await asyncio.gather(*(self._read_refusals(d.url) for d in decodes))
-            for d, found in zip(decodes, refusals):
-                for p in self.prefill_pool.backends:
-                    if p.spec is not None and p.spec.kv is not None:
-                        self.compat.judge(p.url, p.spec.kv, d.url, found)
+            kvs = self._producer_kvs()
+            for d_url, found in await self._every_decoders_refusals():
+                for p_url, kv in kvs.items():
+                    self.compat.judge(p_url, kv, d_url, found)
         incompatible = [i.as_dict() for i in self.compat.incompatible.values()]
         pairs = len(self.prefill_pool.backends) * len(self.decode_pool.backends)
         now = time.monotonic()
@@ -1326,9 +1339,10 @@ class RouterApp:
     exception middleware wraps every ``send`` of the stream: on the client's first token, for
     endpoints that take the raw body anyway. Measured (``bench_router_overhead.py --gap-s 0.01
     --prompt-tokens 512``, ``benchmarks/results/router_overhead.idle512.*``): the router's added
-    latency 0.15-0.25 ms lower, inside its run-to-run spread. A failure in ``handle`` reaches uvicorn as it would
-    through FastAPI's error middleware (a 500 and the traceback in the log). Middleware or
-    exception handlers added to ``fastapi`` do not see those two endpoints."""
+    latency 0.15-0.25 ms lower, inside its run-to-run spread. A failure in ``handle`` reaches
+    uvicorn as it would through FastAPI's error middleware (a 500 and the traceback in the
+    log). Middleware or exception handlers added to ``fastapi`` do not see those two
+    endpoints."""
 
     HOT = frozenset(("/v1/completions", "/v1/chat/completions"))
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kv_push.common.router.sse import StreamHead, event_data, sse_events
+from kv_push.common.router.sse import StreamHead, parse_event, sse_events
 
 #: request keys that change what a streamed token looks like, or may make P's leg pick another
 #: token than D's first, with the fallback reason they are counted under
@@ -179,17 +179,9 @@ class PrefillAnswerHead(StreamHead):
     thread's work for the same request runs just then, and delays the rest of P's answer."""
 
     def _judge(self, event: bytes) -> str:
-        data = event_data(event)
-        if data is None:
-            return "preamble"
-        if data == b"[DONE]":
-            return "done"
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return "output"  # (first_token_events: prefill_unreadable)
-        if not isinstance(obj, dict) or "error" in obj:
-            return "error"
+        kind, obj = parse_event(event)  # (what is no JSON object ends it as "output":
+        if kind is not None:  # first_token_events says why it cannot be used)
+            return kind
         choices = obj.get("choices")
         if isinstance(choices, list) and any(
                 isinstance(c, dict) and c.get("finish_reason") is not None for c in choices):

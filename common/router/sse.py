@@ -35,7 +35,7 @@ def sse_events(data: bytes) -> list[bytes]:
     return [e.strip() for e in _EVENT_END.split(data) if e.strip()]
 
 
-def event_data(event: bytes) -> bytes | None:
+def _payload(event: bytes) -> bytes | None:
     """An SSE event's data (its ``data:`` lines joined), None when it has none."""
     lines = [ln[5:].strip() for ln in event.strip().splitlines() if ln.startswith(b"data:")]
     return b"\n".join(lines) if lines else None
@@ -45,28 +45,39 @@ def error_status(event: bytes) -> int | None:
     """The ``code`` of an ``{"error": ...}`` event (vLLM's HTTP status for the failure, e.g.
     400 for a request it refused), or None."""
     try:
-        err = json.loads(event_data(event) or b"").get("error")
+        err = json.loads(_payload(event) or b"").get("error")
     except (ValueError, AttributeError):
         return None
     code = err.get("code") if isinstance(err, dict) else None
     return code if isinstance(code, int) and not isinstance(code, bool) else None
 
 
-def classify(event: bytes) -> str:
-    """One complete SSE event: ``"preamble"``, ``"output"``, ``"error"`` or ``"done"``."""
-    payload = event_data(event)
+def parse_event(event: bytes) -> tuple[str | None, dict]:
+    """One complete SSE event as (its kind where the data alone decides it, else None; its
+    JSON object, ``{}`` unless the kind is None): ``"preamble"`` (no data: a comment or other
+    field), ``"done"``, ``"error"``, or ``"output"`` for data that is no JSON object (passed
+    on as it is)."""
+    payload = _payload(event)
     if payload is None:
-        return "preamble"  # a comment or other field: carries nothing
+        return "preamble", {}
     if payload == b"[DONE]":
-        return "done"
+        return "done", {}
     try:
         obj = json.loads(payload)
     except ValueError:
-        return "output"
+        return "output", {}
     if not isinstance(obj, dict):
-        return "output"
+        return "output", {}
     if "error" in obj:
-        return "error"
+        return "error", {}
+    return None, obj
+
+
+def classify(event: bytes) -> str:
+    """One complete SSE event: ``"preamble"``, ``"output"``, ``"error"`` or ``"done"``."""
+    kind, obj = parse_event(event)
+    if kind is not None:
+        return kind
     choices = obj.get("choices")
     if not choices:
         return "preamble"  # e.g. a usage-only chunk
