@@ -401,6 +401,10 @@ def f1(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def _p50_ms(reqs: list[dict], key: str) -> float | None:
+    return pct([r[key] * 1000 for r in reqs if r.get(key) is not None], 0.5)
+
+
 def write_md(path: Path, result: dict) -> None:
     m = result["meta"]
     lines = [
@@ -471,6 +475,20 @@ def write_md(path: Path, result: dict) -> None:
         "single server found in its prefix cache (must be 0): " + "; ".join(
             f"{g['group']}: {g.get('single_prefix_cache_hit_tokens', '-')}"
             for g in result["groups"]) + "."]
+    lines += ["", "## After the first token", "",
+              "The client's gap between streamed tokens (its mean over the response, p50 over "
+              "requests) and its whole response (sent to last byte, p50), from the requests in "
+              "the JSON. With the first token from P, the second token is D's first: the gap "
+              "after the first token carries the transfer and D's first step.", "",
+              "| group | system | single gap | push gap | single response | push response |",
+              "|---|---|---|---|---|---|"]
+    for g in result["groups"]:
+        single = g.get("single_requests") or []
+        for sy in g["systems"]:
+            reqs = sy.get("requests") or []
+            lines.append(f"| {g['group']} | {sy['system']} | "
+                         + " | ".join(f"{f1(_p50_ms(rs, key))} ms" for key in ("itl", "e2e")
+                                      for rs in (single, reqs)) + " |")
     head = "| stage | " + " | ".join(sy["system"] for _, sy in systems) + " |"
     rule = "|---|" + "---|" * len(systems)
     lines += ["", "## Push: stage reached, ms after the client sent the request (median)", "",
@@ -566,7 +584,13 @@ def main() -> None:
     ap.add_argument("--extra-config", default="{}",
                     help="JSON merged into P's and D's kv_connector_extra_config")
     ap.add_argument("--notes", default="")
+    ap.add_argument("--report", metavar="JSON", default=None,
+                    help="write the .md of a result JSON again (no servers started)")
     args = ap.parse_args()
+    if args.report:
+        path = Path(args.report)
+        write_md(path.with_suffix(".md"), json.loads(path.read_text()))
+        return
     if args.burst < 1:
         ap.error("--burst must be at least 1")
 
