@@ -185,6 +185,8 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
                     continue
                 if '"choices"' in line and '"text"' in line:
                     chunks, t_last = chunks + 1, time.perf_counter() - t0
+                    if chunks == 2:  # the first gap: with the first token from P, the
+                        rec["gap1"] = t_last - rec["ttft"]  # transfer and two of D's steps
                 if "ttft" not in rec and '"choices"' in line and '"text"' in line:
                     rec["ttft"] = t_last
                     rec["t_first"] = time.time()
@@ -405,6 +407,10 @@ def _p50_ms(reqs: list[dict], key: str) -> float | None:
     return pct([r[key] * 1000 for r in reqs if r.get(key) is not None], 0.5)
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
 def write_md(path: Path, result: dict) -> None:
     m = result["meta"]
     lines = [
@@ -476,19 +482,22 @@ def write_md(path: Path, result: dict) -> None:
             f"{g['group']}: {g.get('single_prefix_cache_hit_tokens', '-')}"
             for g in result["groups"]) + "."]
     lines += ["", "## After the first token", "",
-              "The client's gap between streamed tokens (its mean over the response, p50 over "
-              "requests) and its whole response (sent to last byte, p50), from the requests in "
-              "the JSON. With the first token from P, the second token is D's first: the gap "
-              "after the first token carries the transfer and D's first step.", "",
-              "| group | system | single gap | push gap | single response | push response |",
-              "|---|---|---|---|---|---|"]
+              "p50 over requests, from the requests in the JSON: the client's first gap (its "
+              "first token to its second; recorded since 2026-12-05 21:40, `-` before), its "
+              "mean gap between streamed tokens, and its whole response (sent to last byte). "
+              "With the first token from P, the client's second token is D's second sampled "
+              "token (the router drops D's copy of the first): the first gap then carries the "
+              "transfer and two of D's steps.", "",
+              "| group | system | single first gap | push first gap | single mean gap | "
+              "push mean gap | single response | push response |",
+              "|---|---|---|---|---|---|---|---|"]
     for g in result["groups"]:
         single = g.get("single_requests") or []
         for sy in g["systems"]:
             reqs = sy.get("requests") or []
-            lines.append(f"| {g['group']} | {sy['system']} | "
-                         + " | ".join(f"{f1(_p50_ms(rs, key))} ms" for key in ("itl", "e2e")
-                                      for rs in (single, reqs)) + " |")
+            lines.append(f"| {g['group']} | {sy['system']} | " + " | ".join(
+                f"{_ms(_p50_ms(rs, key))}" for key in ("gap1", "itl", "e2e")
+                for rs in (single, reqs)) + " |")
     head = "| stage | " + " | ".join(sy["system"] for _, sy in systems) + " |"
     rule = "|---|" + "---|" * len(systems)
     lines += ["", "## Push: stage reached, ms after the client sent the request (median)", "",
@@ -585,7 +594,8 @@ def main() -> None:
                     help="JSON merged into P's and D's kv_connector_extra_config")
     ap.add_argument("--notes", default="")
     ap.add_argument("--report", metavar="JSON", default=None,
-                    help="write the .md of a result JSON again (no servers started)")
+                    help="write the .md of a result JSON again (no servers started; a note "
+                    "added by hand to the old .md is not kept)")
     args = ap.parse_args()
     if args.report:
         path = Path(args.report)

@@ -148,12 +148,7 @@ class TransferParams:
 
     **Ours.** Producer leg: ``{"transfer_id": tid, "do_remote_decode": true}``, optionally with
     ``"fanout": n``: each prefill of this leg serves ``n`` decoder requests of the same prompt
-    (the router sends P one sample while D samples ``n``; default 1), and with
-    ``"first_token_to_client": true`` when the router takes the client's first token from this
-    leg's answer (``--first-token-from-prefill``): P's step output is then on the client's path
-    and the KV's WRITE is not (it serves the second token), so a producer that could announce
-    the prefill at ``wait_for_save`` waits for the step's output (``PrefillReady.after_output``).
-    It changes only when P starts a WRITE, so it is not signed.
+    (the router sends P one sample while D samples ``n``; default 1).
     Decoder leg:  ``{"transfer_id": tid, "do_remote_prefill": true, "remote_host": h,
     "remote_port": p}`` where ``h:p`` is the producer's handshake side channel (rank 0).
     With a secret, both also carry the router's signature under ``kv_push_sig``.
@@ -174,7 +169,6 @@ class TransferParams:
     remote_port: int = 0
     fanout: int = 1
     upstream: bool = False
-    first_token_to_client: bool = False
 
     @classmethod
     def parse(cls, raw: Any, secret: bytes = b"", now: float | None = None, *,
@@ -222,11 +216,7 @@ class TransferParams:
                 1 <= fanout <= MAX_FANOUT):
             raise TransferParamsError(f"fanout must be an integer in [1, {MAX_FANOUT}], "
                                       f"got {fanout!r}")
-        to_client = raw.get("first_token_to_client", False)
-        if not isinstance(to_client, bool):
-            raise TransferParamsError(f"first_token_to_client must be true or false, got "
-                                      f"{to_client!r}")
-        params = cls(tid, decode, prefill, host, port, fanout, upstream, decode and to_client)
+        params = cls(tid, decode, prefill, host, port, fanout, upstream)
         if secret:
             if upstream and raw.get(SIG_KEY) is None:
                 raise TransferParamsError(
@@ -268,10 +258,6 @@ class PrefillReady:
     num_tokens: int
     prompt_digest: str = ""
     capacity: int = 1  # decoder requests it serves (the P leg's fanout)
-    #: the client's first token is this leg's answer (``first_token_to_client``): announced
-    #: early, it waits for the step's output (the next bind), also where the KV is in memory
-    #: at ``wait_for_save``
-    after_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -635,8 +621,7 @@ class PushScheduler:
             if blocks is None or len(blocks) < need:
                 continue
             ready = PrefillReady(rid, params.transfer_id, tuple(int(b) for b in blocks[:need]),
-                                 n, prompt_digest(prompt), params.fanout,
-                                 params.first_token_to_client)
+                                 n, prompt_digest(prompt), params.fanout)
             if timing.ENABLED and rid not in self._stamp_at_output:
                 self._stamp_at_output[rid] = ("p_step_output", params.transfer_id)
             if self.early_prefill_done:

@@ -4,12 +4,8 @@ Runs in each vLLM worker process (one per TP rank). ``register_kv_caches`` descr
 tensors (through the chosen backend) and starts the ``PushWorker``; ``handle`` hands a step's
 metadata to the transfer thread (enqueue only); ``on_saved`` (vLLM's ``wait_for_save``) hands it
 the step's ``completing`` prefills where the backend's KV is written by then (host), else the
-next ``handle`` does (``connector_scheduler``: early announcement). A prefill whose answer
-carries the client's first token (``PrefillReady.after_output``) waits for that next ``handle``
-on the host too: it comes once the step's output was processed, and the transfer thread's work
-then no longer takes P's core and GIL from sampling and sending that token (issue 12 item 4;
-``benchmarks/results/ttft_breakdown.after_output*``). ``get_finished`` drains what the transfer
-thread finished:
+next ``handle`` does (``connector_scheduler``: early announcement); ``get_finished`` drains what
+the transfer thread finished:
 
 * ``finished_sending``: producer requests whose blocks may be freed (one announced early at
   this step's ``wait_for_save`` only from the next step on: vLLM frees the blocks of each
@@ -139,8 +135,7 @@ class PushConnectorWorker:
             self._streaming = False
             self.worker.step_saved()
         for p in pending:
-            self._prefill_done(p, "after_output" if p.after_output and self.kv_ready_at_save
-                               else "early_bind")
+            self._prefill_done(p, "early_bind")
         self._saved_now.clear()
         self._reportable += self._held_back
         self._held_back = []
@@ -193,10 +188,7 @@ class PushConnectorWorker:
             self._streaming = False
             self.worker.step_saved()
         if self.kv_ready_at_save and self._completing:
-            # one whose answer carries the client's first token waits for the step's output:
-            # the next bind (the WRITE would take P's core and GIL from sampling and output)
-            done = [p for p in self._completing if not p.after_output]
-            self._completing = [p for p in self._completing if p.after_output]
+            done, self._completing = self._completing, []
             for p in done:
                 self._prefill_done(p, "early_save")
             self._saved_now.update(p.req_id for p in done)

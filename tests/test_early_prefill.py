@@ -200,43 +200,6 @@ def test_host_backend_announces_at_wait_for_save_and_reports_release_a_step_late
     assert stub.calls == [("prefill_done", "p1")]  # once
 
 
-def test_a_prefill_whose_answer_is_the_clients_first_token_waits_for_the_steps_output():
-    """``first_token_to_client`` (the router takes the client's first token from P's answer):
-    on the host too, the prefill is announced at the next bind, after the step's output (its
-    WRITE would take P's core from sampling and sending that token); the others of the step
-    still go at wait_for_save."""
-    s = producer()
-    look(s, req("first", dict(P_PARAMS, first_token_to_client=True)),
-         req("other", dict(P_PARAMS, transfer_id="t2")))
-    plan = s.take_plan(output(new_req("first"), new_req("other")))
-    assert [(p.req_id, p.after_output) for p in plan.completing] == [("first", True),
-                                                                     ("other", False)]
-    cw, stub = worker(kv_ready_at_save=True)
-    cw.handle(plan)
-    cw.on_saved()
-    assert stub.calls == [("prefill_done", "other")]
-    stub.released = ["other"]
-    assert cw.get_finished() == (set(), set(), set())
-    cw.handle(StepPlan())  # the next step: the previous one's output was processed
-    assert stub.calls == [("prefill_done", "other"), ("prefill_done", "first")]
-    stub.released = ["first"]
-    assert cw.get_finished() == ({"other", "first"}, set(), set())
-    cw.handle(StepPlan())
-    cw.on_saved()
-    assert len(stub.calls) == 2  # each once
-
-
-def test_first_token_to_client_is_a_flag_of_the_producer_leg():
-    from kv_push.common.connector_scheduler import TransferParams, TransferParamsError
-    assert TransferParams.parse(dict(P_PARAMS, first_token_to_client=True)).first_token_to_client
-    assert not TransferParams.parse(dict(P_PARAMS)).first_token_to_client
-    # meaningless on a decoder leg: ignored there
-    assert not TransferParams.parse(dict(D_PARAMS, first_token_to_client=True),
-                                    request_id="r").first_token_to_client
-    with pytest.raises(TransferParamsError, match="first_token_to_client must be true or false"):
-        TransferParams.parse(dict(P_PARAMS, first_token_to_client="yes"))
-
-
 def test_accelerator_backends_announce_at_the_next_bind():
     cw, stub = worker(kv_ready_at_save=False)
     cw.handle(StepPlan(completing=[READY]))

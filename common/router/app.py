@@ -1080,8 +1080,6 @@ class Router:
             # server's first events carry
             body["stream"] = True
         params: dict[str, Any] = {"transfer_id": ex.tid, "do_remote_decode": True}
-        if streamed:  # P's answer may be the client's first token: its WRITE comes after it
-            params["first_token_to_client"] = True
         n = body.get("n")
         if type(n) is int and 1 < n <= MAX_FANOUT and body.get("best_of") is None:
             body["n"], params["fanout"] = 1, n
