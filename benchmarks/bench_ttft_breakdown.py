@@ -496,7 +496,7 @@ def write_md(path: Path, result: dict) -> None:
         for sy in g["systems"]:
             reqs = sy.get("requests") or []
             lines.append(f"| {g['group']} | {sy['system']} | " + " | ".join(
-                f"{_ms(_p50_ms(rs, key))}" for key in ("gap1", "itl", "e2e")
+                _ms(_p50_ms(rs, key)) for key in ("gap1", "itl", "e2e")
                 for rs in (single, reqs)) + " |")
     head = "| stage | " + " | ".join(sy["system"] for _, sy in systems) + " |"
     rule = "|---|" + "---|" * len(systems)
