@@ -176,6 +176,21 @@ def test_p_s_answer_is_complete_at_the_event_that_ends_its_choice():
     assert PrefillAnswerHead().feed(b"data: {nope\n\n") == "output"
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_p_s_fingerprint_is_left_to_the_end_of_the_stream(chat):
+    """vLLM stamps ``system_fingerprint`` on its stream's last event only: on P's one-token
+    answer that is the token's event, which the client does not get as a last event."""
+    choice = ({"index": 0, "delta": {"content": "Hi"}, "finish_reason": "length"} if chat else
+              {"index": 0, "text": "Hi", "finish_reason": "length", "stop_reason": None})
+    event = {"id": "x", "object": "chat.completion.chunk" if chat else "text_completion",
+             "choices": [choice], "system_fingerprint": "vllm-0.32.0-abc"}
+    got = first_token_events(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n",
+                             chat)
+    assert isinstance(got, tuple) and got[1] == "Hi"
+    (sent,) = events(got[0])
+    assert "system_fingerprint" not in sent and sent["choices"][0]["finish_reason"] is None
+
+
 def test_eligibility_rules():
     assert ineligible(dict(COMPLETION, **GREEDY), chat=False) is None
     assert ineligible(dict(CHAT, **GREEDY), chat=True) is None

@@ -154,6 +154,9 @@ def first_token_events(p_body: bytes, chat: bool, replacement_ok: bool = False
         if choice.get("finish_reason") not in (None, "length"):
             return "prefill_stopped"  # an end of sequence or a stop: D says how it ends
         choice["finish_reason"] = None
+        # vLLM stamps its fingerprint on the stream's last event (the one that ends the
+        # choice, or the usage chunk after it): P's token event is not the client's last
+        obj.pop("system_fingerprint", None)
         if chat:  # vLLM sets a chat choice's stop_reason on its last chunk only
             choice.pop("stop_reason", None)
         elif "stop_reason" in choice:  # a completion's chunks all carry it
