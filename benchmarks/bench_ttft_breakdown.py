@@ -483,7 +483,7 @@ def write_md(path: Path, result: dict) -> None:
             for g in result["groups"]) + "."]
     lines += ["", "## After the first token", "",
               "p50 over requests, from the requests in the JSON: the client's first gap (its "
-              "first token to its second; recorded since 2026-12-05 21:40, `-` before), its "
+              "first token to its second; recorded since 2026-12-05 21:30, `-` before), its "
               "mean gap between streamed tokens, and its whole response (sent to last byte). "
               "With the first token from P, the client's second token is D's second sampled "
               "token (the router drops D's copy of the first): the first gap then carries the "
