@@ -16,6 +16,8 @@
 #   MODEL            model dir or hub id [unset: build the tiny random model, CPU only]
 #   SERVED_NAME      --served-model-name [tiny]
 #   PYTHON           interpreter with vLLM and kv_push installed [.venv/bin/python]
+#   P_PYTHON D_PYTHON  P's and D's own interpreters, e.g. another vLLM version on one side as
+#                    in a rolling upgrade (P_PYTHON=.venv-vllm029/bin/python) [PYTHON]
 #   RUN_DIR          PID files, logs, router.url [/tmp/kv-push-pd]
 #   HOST             listen address of P and D's HTTP servers [127.0.0.1]
 #   ROUTER_HOST      listen address of the router [127.0.0.1]
@@ -169,10 +171,11 @@ placement_env() {
 }
 
 serve() {  # $1 name, $2 P|D, $3 port, $4 role, $5 side-channel port
+  local py_var="${2}_PYTHON"
   # shellcheck disable=SC2046,SC2086
   start "$1" env $(placement_env "$2") KV_PUSH_BACKEND="$KV_PUSH_BACKEND" PYTHONUNBUFFERED=1 \
     VLLM_NIXL_SIDE_CHANNEL_HOST="$KV_HOST" VLLM_NIXL_SIDE_CHANNEL_PORT="$5" \
-    "$PYTHON" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+    "${!py_var:-$PYTHON}" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
     --served-model-name "$SERVED_NAME" --host "$HOST" --port "$3" \
     --max-model-len "$MAX_MODEL_LEN" ${DTYPE:+--dtype "$DTYPE"} $EXTRA_VLLM_ARGS \
     --kv-transfer-config "$(kv_config "$4" "$5")"
