@@ -181,17 +181,17 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], max_tokens: i
                 return rec
             chunks, t_last = 0, 0.0
             for line in sse_lines(resp.iter_bytes()):
-                if not line.startswith("data: {"):
-                    continue
-                if '"choices"' in line and '"text"' in line:
-                    chunks, t_last = chunks + 1, time.perf_counter() - t0
-                    if chunks == 2:  # the first gap: with the first token from P, the
-                        rec["gap1"] = t_last - rec["ttft"]  # transfer and two of D's steps
-                if "ttft" not in rec and '"choices"' in line and '"text"' in line:
+                if not (line.startswith("data: {") and '"choices"' in line
+                        and '"text"' in line):
+                    continue  # not a token's event
+                chunks, t_last = chunks + 1, time.perf_counter() - t0
+                if chunks == 1:
                     rec["ttft"] = t_last
                     rec["t_first"] = time.time()
                     if on_first is not None:
                         on_first(rec)
+                elif chunks == 2:  # the first gap: with the first token from P, the
+                    rec["gap1"] = t_last - rec["ttft"]  # transfer and two of D's steps
             if chunks > 1:  # one decode step per later token (each streamed as it comes)
                 rec["itl"] = (t_last - rec["ttft"]) / (chunks - 1)
         rec["e2e"] = time.perf_counter() - t0
@@ -408,7 +408,7 @@ def _p50_ms(reqs: list[dict], key: str) -> float | None:
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v:.1f} ms"
+    return f1(v) if v is None else f"{f1(v)} ms"
 
 
 def write_md(path: Path, result: dict) -> None:

@@ -432,7 +432,7 @@ class PushScheduler:
         w.local_tokens = num_computed_tokens
         if count <= 0:
             return 0, False
-        if getattr(request, "skip_reading_prefix_cache", False):
+        if _computes_its_prompt(request):
             # the request wants its prompt's logprobs (vLLM sets this for prompt_logprobs and
             # echo with logprobs): vLLM computes such a prompt itself -- 0.32 ignores a
             # connector's tokens for it, and 0.29 takes them but its API server then dies
@@ -455,7 +455,7 @@ class PushScheduler:
         if num_external_tokens <= 0:
             # nothing to receive (a full local hit, or a request computed here: prompt
             # logprobs): let the producer free its blocks now
-            if getattr(request, "skip_reading_prefix_cache", False):
+            if _computes_its_prompt(request):
                 self.counters.inc("local_prefills", label="prompt_logprobs")
             self._plan.expects.append(Expect(
                 RELEASE_KEY_PREFIX + request.request_id, p.transfer_id, w.attempt, p.remote_host,
@@ -632,6 +632,12 @@ class PushScheduler:
                 self._streamed[rid] = ready
                 self._plan.streaming.append(ready)
                 self.counters.inc("prefills_streamed")
+
+
+def _computes_its_prompt(request: Any) -> bool:
+    """vLLM computes this request's prompt itself, whatever a connector offers: it wants the
+    prompt's logprobs (``skip_reading_prefix_cache``: prompt_logprobs, echo with logprobs)."""
+    return bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 def _single_group(block_ids: Any) -> list[int] | None:
