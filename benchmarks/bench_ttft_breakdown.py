@@ -117,6 +117,17 @@ GROUPS = {
              "d": {"d-idle-wait": {}, "d-no-idle-wait": {"idle_step_wait_s": 0}},
              "systems": {"push idle_step_wait_s=0.002": ("p", "d-idle-wait"),
                          "push idle_step_wait_s=0": ("p", "d-no-idle-wait")}},
+    # one P, two D, the first token from P: D waiting for the WRITE as it does by default
+    # against a D that polls every 1 ms and does not wait in a step that runs no model (less of
+    # the CPU the router and the client share with D on a small box)
+    "first_dquiet": {"p": {"p": {}},
+                     "d": {"d": {}, "d-quiet": {"idle_step_wait_s": 0, "await_poll_s": 0.001}},
+                     "systems": {"push first-token=prefill": ("p", "d"),
+                                 "push first-token=prefill d-quiet": ("p", "d-quiet")},
+                     "router_args": {
+                         "push first-token=prefill": ["--first-token-from-prefill", "auto"],
+                         "push first-token=prefill d-quiet": ["--first-token-from-prefill",
+                                                              "auto"]}},
     # two P, one D, the first token from P: P's thread backing off while a registration waits
     # for its prefill (prefill_wait_poll_s default) against polling NIXL every idle_poll_s
     # through the prefill (as before the setting existed)
