@@ -148,6 +148,11 @@ def summarize(requests: list[dict]) -> dict:
         if "ttft" in r:
             by.setdefault(r["variant"], []).append(r["ttft"])
     out: dict[str, Any] = {"ttft": {v: stats(t) for v, t in by.items()}}
+    # D's first token event where the client sent D's leg itself: with push, the TTFT a
+    # first token from D would have without the router
+    out["d_first"] = {v: stats([r["d_first"] for r in requests
+                                if r["variant"] == v and "d_first" in r])
+                      for v in ("legs_plain", "legs_push")}
     p50 = {v: s["p50_ms"] for v, s in out["ttft"].items() if s}
     out["differences"] = [{"variant": a, "against": b, "what": what,
                            "p50_ms": p50[a] - p50[b] if a in p50 and b in p50 else None}
@@ -177,6 +182,10 @@ def report_md(result: dict) -> str:
         lines.append(f"| {v} | {st['p50_ms']:.1f} ms | {st['p90_ms']:.1f} ms | "
                      f"{st['min_ms']:.1f} ms | {st['n']} | "
                      f"{f'{ratio:.2f}x' if ratio else '-'} |")
+    for v, st in s.get("d_first", {}).items():
+        if st:
+            lines.append(f"| {v}, D's first token | {st['p50_ms']:.1f} ms | "
+                         f"{st['p90_ms']:.1f} ms | {st['min_ms']:.1f} ms | {st['n']} | - |")
     lines += ["", "| difference of medians | ms | what |", "|---|---|---|"]
     for d in s["differences"]:
         ms = "-" if d["p50_ms"] is None else f"{d['p50_ms']:+.1f}"

@@ -83,6 +83,9 @@ def test_summary_differences_and_ratios():
             "router": [25, 26, 27], "single": [19, 20, 21]}
     reqs = [{"variant": v, "ttft": t} for v, ts in ttft.items() for t in ts]
     reqs.append({"variant": "router", "error": "boom"})
+    reqs += [{"variant": "legs_push", "ttft": 24, "d_first": 30}]
+    reqs[6]["d_first"] = 28  # legs_push's first
+
     s = po.summarize(reqs)
     assert {d["variant"]: d["p50_ms"] for d in s["differences"]} == \
         {"legs_plain": 1, "legs_push": 2, "router": 2}
@@ -93,3 +96,5 @@ def test_summary_differences_and_ratios():
     md = po.report_md({"summary": s, "meta": meta})
     assert "| router | 26.0 ms | 26.0 ms | 25.0 ms | 3 | 1.30x |" in md
     assert "| legs_push - legs_plain | +2.0 |" in md
+    assert s["d_first"]["legs_push"]["n"] == 2 and s["d_first"]["legs_plain"] is None
+    assert "| legs_push, D's first token | 29.0 ms |" in md
