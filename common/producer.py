@@ -39,7 +39,8 @@ the normal path (fence, cancel, time-out) and goes when its claims are done
 at once (unless a decoder request already waits for it), and a registration of a request not
 yet claimed is failed at once (``TransferFailed``; counted ``stale{registration_after_router_
 release}``) and never written. A request already claimed keeps its source (its later ranks and
-attempts pair as usual). After the tombstone expired, a late registration only waits for a
+attempts pair as usual); one still waiting for a prefill goes with the release, or with the
+cancel that leaves it asking for nothing (``_wants_nothing``). After the tombstone expired, a late registration only waits for a
 prefill that is gone and is failed at its time-out.
 
 Expired prefills: a prefill no decoder request claimed within ``rendezvous_ttl_s`` (its
@@ -182,9 +183,12 @@ class _Answered:
     when: float
 
 
-def _release_only(claim: Claim) -> bool:
-    """Every registration of ``claim`` asks for nothing (the decoder request ended first)."""
-    return bool(claim.regs) and all(r.release_only for r in claim.regs.values())
+def _wants_nothing(claim: Claim) -> bool:
+    """No registration ``claim`` holds asks for KV: each was cancelled (or its decoder is gone),
+    or only lets the prefill go (the decoder request ended first). Once the router released
+    the transfer, such a claim waiting for a prefill waits for nothing: a prefill that comes
+    later is released at once."""
+    return all(r.release_only for r in claim.regs.values())
 
 
 
@@ -418,9 +422,11 @@ class Producer:
             _note_bounded(self.released_tids, tid, now)
             for rdv_key in self.rdv.keys_of(tid):
                 self._close(rdv_key)
-                # decoder requests that only let go (release-only registrations) and still wait
-                # for a prefill need nothing more: the router's release frees whatever comes
-                self.rdv.drop_waiting(rdv_key, _release_only)
+                # decoder requests that still wait for a prefill but ask for nothing (their
+                # registrations cancelled, or release-only) need nothing more: the router's
+                # release frees whatever comes. They used to wait out the TTL and count as
+                # expired, with a WARNING (a request P rejected and D cancelled)
+                self.rdv.drop_waiting(rdv_key, _wants_nothing)
 
     def _close(self, rdv_key: RdvKey) -> None:
         """Close ``rdv_key``'s sources (no more claims) and release those that are done;
@@ -527,6 +533,8 @@ class Producer:
                 pass  # a newer attempt of that rank is registered and stays
             except ConflictEvent as e:
                 self.ctx.counters.reject("conflict", str(e), context="cancel")
+            if msg.transfer_id in self.released_tids:  # (as in ``release``)
+                self.rdv.drop_waiting(rdv_key, lambda c: c.key == request and _wants_nothing(c))
         if job is not None:
             job.ack_cancel = True  # answered when no chunk of it is in flight any more
             job.stop = job.stop or "cancelled"

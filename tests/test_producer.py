@@ -709,6 +709,48 @@ def test_a_cancel_after_a_release_is_acked_and_holds_nothing():
     assert b.got() == [] and b.writes() == [] and b.idle()
 
 
+@pytest.mark.parametrize("order", ["cancel_then_release", "release_then_cancel"])
+def test_a_cancelled_registration_waiting_for_a_prefill_goes_with_the_release(order):
+    """P's engine refused the request (P's HTTP 400: a prompt over P's max_model_len but not
+    D's), so no prefill ever comes; D registered, then cancelled when the router closed its leg,
+    and the router released the transfer. Whatever the order of the cancel and the release, the
+    claim waits for nothing: it goes at once (a walkthrough saw it wait out the TTL, then log
+    "found no prefill in time" and count as expired), and a prefill that comes after all is
+    freed unwritten."""
+    b = Bench()
+    b.register()
+    b.register(tid="t2", reg="d-2")  # another transfer's request: it stays
+    if order == "cancel_then_release":
+        b.cancel()
+        assert b.producer.rdv.num_claims == 2  # (before the release a prefill may still come)
+        b.release()
+    else:
+        b.release()
+        assert b.producer.rdv.num_claims == 2  # its registration still asks for the KV
+        b.cancel()
+    assert b.got() == [ack()]
+    assert b.producer.rdv.num_claims == 1
+    b.prefill()  # (P's engine ran it after all)
+    assert b.released == ["req-1"] and b.writes() == [] and b.got() == []
+    assert b.p.count("transfers_failed") == 0
+    b.clock.advance(TTL + 1)
+    b.p.step()
+    assert b.p.count("expired") == 1  # the other transfer's registration only
+
+
+def test_a_release_keeps_a_claim_whose_other_rank_still_asks():
+    """A two-rank decoder request of which one rank cancelled and the other still waits for the
+    prefill is kept by the release (the prefill may still come and be written to that rank)."""
+    b = Bench(d_tp=2)
+    b.register(rank=0)
+    b.register(rank=1)
+    b.cancel(rank=0)
+    b.release()
+    assert b.producer.rdv.num_claims == 1
+    b.prefill()
+    assert [type(m).__name__ for m in b.got(rank=1)] == ["WriteDone"] and b.writes() != []
+
+
 def test_released_transfer_ids_are_bounded_and_expire(monkeypatch):
     monkeypatch.setattr(producer_module, "MAX_RELEASED_TIDS", 3)
     b = Bench()
