@@ -16,6 +16,11 @@
 * ``TestFrozenProducer`` -- P stopped with SIGSTOP right before requests D registers with it:
   their clients get an error once P is unresponsive (seconds), not after the fence's bound,
   while D keeps their blocks until P, resumed, answers the cancels; both idle afterwards.
+* ``TestChunkedProducer`` -- P prefills every prompt in chunks (``--max-num-batched-tokens``
+  below each prompt's length), D does not: outputs identical to a single server, D computes no
+  prompt token, and a seeded sampling request (which kills vLLM 0.32's CPU engine when it
+  prefills the prompt in chunks) is served twice alike with P alive: the router's P leg carries
+  no seed.
 * ``TestTensorParallel2`` -- P and D both at TP 2 (vLLM's CPU build runs TP over gloo): outputs
   identical to a single server at TP 2. Needs 4 cores: skipped on fewer (``KV_PUSH_E2E_TP2=1``
   runs it anyway). On this 2-core box it fits in memory (4.8 + 4.8 GiB resident for P and D)
@@ -655,6 +660,48 @@ class TestReleaseOnHangUp:
 #: 7.5 s (a false "dead": 5 s heartbeat) and a handshake timed out (5 s). So here: long time-outs
 #: and heartbeat, and both servers warmed.
 TP2_CONFIG = {"rendezvous_ttl_s": 300, "heartbeat_interval_s": 30, "handshake_timeout_s": 60}
+
+
+class TestChunkedProducer:
+    @pytest.fixture(scope="class")
+    def chunked(self, env, prompts):
+        servers = []
+        try:
+            # every prompt (130-600 tokens) is prefilled in chunks of at most 128 tokens on P
+            p, kv = producer(env, "prefill-chunked",
+                             vllm_args=["--max-num-batched-tokens", "128"])
+            d = decoder(env, "decode-chunked")
+            servers += [p, d]
+            up(servers)
+            servers.append(r := front(env, "router-chunked", p, kv, d))
+            complete(r.url, prompts[2])  # warm: first steps and the handshake
+            yield {"p": p, "d": d, "r": r}
+        finally:
+            stop(servers)
+
+    def test_outputs_identical_to_single_server(self, chunked, env, prompts):
+        d, url = chunked["d"], chunked["r"].url
+        local0 = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+        ext0 = metric(d.url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+        for prompt in prompts[3:9]:
+            assert signature(complete(url, prompt)["choices"][0]) == env["reference"][prompt]
+        assert metric(d.url, "vllm:prompt_tokens_by_source_total",
+                      source="local_compute") == local0
+        assert metric(d.url, "vllm:prompt_tokens_by_source_total",
+                      source="external_kv_transfer") - ext0 >= 6 * 130
+
+    def test_a_seeded_sampling_request_is_served_with_p_alive(self, chunked, prompts):
+        p, url = chunked["p"], chunked["r"].url
+        texts = []
+        for _ in range(2):
+            r = httpx.post(f"{url}/v1/completions", json=body(
+                prompts[9], temperature=0.8, seed=11, logprobs=None, return_token_ids=False),
+                timeout=REQUEST_BOUND_S)
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] == texts[1]  # the seed reached D, which samples every token
+        assert httpx.get(f"{p.url}/health", timeout=10).status_code == 200
+        assert "CPU Generator does not use offset" not in p.log_text()
 
 
 class TestTensorParallel2:

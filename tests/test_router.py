@@ -785,6 +785,27 @@ async def test_pull_is_serial_and_forwards_prefill_params(stream: bool):
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+@pytest.mark.parametrize("first_token", ["off", "auto"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_p_s_leg_goes_without_the_seed_and_d_s_keeps_it(mode: str, first_token: str):
+    """P's one token is thrown away unless it is greedy (no seed changes a greedy token), and
+    vLLM 0.32's CPU engine dies on a seeded request whose prompt it prefills in chunks: P's leg
+    carries no seed, D's keeps the client's (D samples every token the client gets)."""
+    async with cluster(mode=mode, first_token=first_token) as c:
+        (p,), (d,) = c.prefills, c.decodes
+        for body in (dict(COMPLETION, temperature=0.8, seed=7),
+                     dict(COMPLETION, temperature=0, seed=7, stream=True)):
+            p.records.clear()
+            d.records.clear()
+            status, _, _ = await post(c, "/v1/completions", body)
+            assert status == 200
+            await eventually(lambda: bool(p.records) and p.records[0].completed, "P's leg")
+            (prec,), (drec,) = p.records, d.records
+            assert "seed" not in prec.body and prec.body["max_tokens"] == 1
+            assert drec.body["seed"] == 7 and drec.body["temperature"] == body["temperature"]
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 async def test_a_clients_kv_transfer_params_reach_no_leg(mode: str):
     """kv_transfer_params are the router's: a client's never reach P or D, not even where P

@@ -1068,6 +1068,12 @@ class Router:
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         body.pop("min_tokens", None)  # min_tokens > 1 would make vLLM reject it
+        # P's one token is thrown away unless it is greedy (first_token.py), and a greedy token
+        # does not depend on a seed; a seed only gives P's engine a per-request generator, and
+        # vLLM's CPU build (0.32) dies on one when the prompt is prefilled in chunks
+        # ("CPU Generator does not use offset": a P with --max-num-batched-tokens below the
+        # prompt, seen by a walkthrough on 2026-12-06; a single server dies the same way)
+        body.pop("seed", None)
         streamed = self.config.mode == "push" and ex.first_token_off is None
         if not streamed:  # vLLM refuses stream_options on a request that does not stream
             body.pop("stream_options", None)

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -173,7 +174,7 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
                 max_model_len: int = 1024, by_name: bool = False,
                 engine_id: str | None = None, dtype: str | None = "default", tp: int = 1,
                 block_size: int | None = None, kv_config: dict | None = None,
-                whole_server_on_cpu: bool = False) -> Server:
+                whole_server_on_cpu: bool = False, vllm_args: Sequence[str] = ()) -> Server:
     """A ``vllm serve`` of ``model`` on ``port``, its OpenMP threads bound to core ``cpu``
     (``tp`` ranks: one per entry of ``cpu`` given as ``"0|1"``, or all on ``cpu``).
 
@@ -183,6 +184,7 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
 
     ``dtype``: ``"default"`` takes ``server_dtype()`` (float16 on AMX CPUs), None the model's.
     ``kv_config``: more top-level ``--kv-transfer-config`` keys (``kv_load_failure_policy``).
+    ``vllm_args``: more ``vllm serve`` arguments (``--max-num-batched-tokens``).
     """
     if dtype == "default":
         dtype = server_dtype()[0]
@@ -195,6 +197,7 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
         argv += ["--tensor-parallel-size", str(tp)]
     if block_size is not None:
         argv += ["--block-size", str(block_size)]
+    argv += list(vllm_args)  # more `vllm serve` arguments, as given
     bind = str(cpu)
     if tp > 1 and "|" not in bind:
         bind = "|".join([bind] * tp)
