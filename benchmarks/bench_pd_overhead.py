@@ -35,6 +35,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_pd_overhead.py                 # ~3 min here
     .venv/bin/python benchmarks/bench_pd_overhead.py --requests 40 --prompt-len 300
+    .venv/bin/python benchmarks/bench_pd_overhead.py --variants p_alone,router  # a pair only
 """
 
 from __future__ import annotations
@@ -231,9 +232,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--gap-s", type=float, default=0.0,
                     help="pause after each request (0: back to back, as a closed-loop client)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, from {', '.join(VARIANTS)} (the single server "
+                         "always runs)")
     ap.add_argument("--model", default="", help="model dir (default: build the tiny model)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pd_overhead.json"))
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or any(v not in VARIANTS for v in variants):
+        ap.error(f"--variants: from {', '.join(VARIANTS)}, got {args.variants!r}")
     work = Path(tempfile.mkdtemp(prefix="pd-overhead-"))
     model = args.model or str(build_tiny_model(REPO / ".work" / "tiny-model"))
     prompts = prompts_for([*VARIANTS, "single"], args.requests + args.warmup, args.prompt_len,
@@ -257,7 +264,7 @@ def main() -> None:
         r.wait_healthy(60)
         urls = {"p": p.url, "d": d.url, "router": r.url, "kv_port": kv_port}
         log(f"P/D up; {args.requests} requests per variant, interleaved")
-        requests = asyncio.run(run_variants(urls, list(VARIANTS), prompts, args.max_tokens,
+        requests = asyncio.run(run_variants(urls, variants, prompts, args.max_tokens,
                                             args.gap_s, args.warmup))
     finally:
         for s in reversed(servers):
