@@ -5,7 +5,8 @@ One P (core 0) and one D (core 1) with ``KVPushConnector``, real ``vllm serve`` 
 suite's tiny model), and our router (first token from P: ``--first-token-from-prefill auto``).
 One client (httpx ``AsyncClient``) sends streaming ``/v1/completions`` of random token-id
 prompts, one request at a time, back to back (``--gap-s``), the variants below interleaved
-prompt by prompt in rotating order, so that the box's slow and fast spells weigh on all alike:
+round by round, each round in a shuffled order, so that the box's slow and fast spells weigh on
+all alike and each variant follows each other about equally often:
 
 * ``p_alone``: P's leg only (``max_tokens`` 1), no ``kv_transfer_params``: P serves it as a
   plain vLLM server would; its connector takes no part;
@@ -21,8 +22,11 @@ prompt by prompt in rotating order, so that the box's slow and fast spells weigh
   token first. Against ``legs_push``: the router's two hops.
 
 TTFT is the client's first token event: P's leg's for the three leg variants, the router's
-stream's for ``router``. A single server alone on core 0 (``single``, started after P/D is
-stopped, the same number of fresh prompts back to back) is the floor.
+stream's for ``router`` (the router's ``first_token_total`` counts, recorded, say whether
+they came from P). A single server alone on core 0 (``single``, started after P/D is stopped,
+the same number of fresh prompts back to back) is the floor. It is not interleaved with the
+P/D variants (it needs core 0), so its ratios move with each start: P's leg alone, which is a
+plain vLLM server's answer, shows by how much.
 
 The stage breakdown of a push request (``bench_ttft_breakdown.py``) shows when each stage is
 reached; this shows what each part adds, on the same servers in the same minutes. The
@@ -58,7 +62,7 @@ import httpx
 
 from bench_meta import add_python_arg, source_commit
 from kv_push.common.testing.sse_lines import asse_lines
-from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, router,
+from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, metric, router,
                                                  vllm_server)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,10 +127,17 @@ async def one(client: httpx.AsyncClient, variant: str, prompt: list[int], urls: 
     tid = uuid.uuid4().hex
     p_body, d_body = leg_bodies(variant, prompt, max_tokens, "127.0.0.1", urls["kv_port"], tid)
     headers = {"X-Request-Id": tid}
-    legs = [first_token_ms(client, urls["p"], p_body, t0, headers)]
+    legs = [asyncio.ensure_future(first_token_ms(client, urls["p"], p_body, t0, headers))]
     if d_body is not None:
-        legs.append(first_token_ms(client, urls["d"], d_body, t0, headers))
-    got = await asyncio.gather(*legs)
+        legs.append(asyncio.ensure_future(first_token_ms(client, urls["d"], d_body, t0,
+                                                         headers)))
+    try:
+        got = await asyncio.gather(*legs)
+    except BaseException:  # one leg failed: the other must not run on into the next request
+        for leg in legs:
+            leg.cancel()
+        await asyncio.gather(*legs, return_exceptions=True)
+        raise
     rec = {"variant": variant, "ttft": got[0]}
     if len(got) > 1:
         rec["d_first"] = got[1]
@@ -173,7 +184,8 @@ def report_md(result: dict) -> str:
              f"{m['gap_s']} s); P on core 0, D on core 1, router and client floating; the "
              f"single server alone on core 0 afterwards. {m['cpus']} cores; load (1 min) "
              f"{m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}. Failed requests: "
-             f"{s['failed']}.", "",
+             f"{s['failed']}. The router's first tokens (warm-up included): "
+             f"{m.get('router_first_token', '-')}.", "",
              "| variant | TTFT p50 | p90 | min | n | / single p50 |", "|---|---|---|---|---|---|"]
     for v in (*VARIANTS, "single"):
         st = s["ttft"].get(v)
@@ -203,14 +215,17 @@ def prompts_for(variants: list[str], n: int, length: int, seed: int) -> dict[str
 
 
 async def run_variants(urls: dict, variants: list[str], prompts: dict[str, list],
-                       max_tokens: int, gap_s: float, warmup: int) -> list[dict]:
-    """``warmup`` rounds, then one request per variant and round, the order rotating by one
-    each round; a failed request is recorded with its error."""
+                       max_tokens: int, gap_s: float, warmup: int, seed: int = 1) -> list[dict]:
+    """``warmup`` rounds, then one request per variant and round, each round in a shuffled
+    order (seeded), so that each variant follows each other about equally often (a request's
+    tail may weigh on the next); a failed request is recorded with its error."""
     out: list[dict] = []
     rounds = len(prompts[variants[0]])
+    rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=120) as client:
         for i in range(rounds):
-            order = variants[i % len(variants):] + variants[:i % len(variants)]
+            order = list(variants)
+            rng.shuffle(order)
             for v in order:
                 try:
                     rec = await one(client, v, prompts[v][i], urls, max_tokens)
@@ -266,6 +281,10 @@ def main() -> None:
         log(f"P/D up; {args.requests} requests per variant, interleaved")
         requests = asyncio.run(run_variants(urls, variants, prompts, args.max_tokens,
                                             args.gap_s, args.warmup))
+        # where the router's clients' first tokens came from (warm-up included): P's, unless
+        # the router fell back to D's (builds not read yet, D first, a mismatch)
+        first_token = {path: metric(r.url, "kv_push_router_first_token_total", path=path)
+                       for path in ("prefill", "decode", "mismatch")}
     finally:
         for s in reversed(servers):
             s.stop()
@@ -283,7 +302,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit(),
         "host": platform.node(), "cpus": os.cpu_count(), "requests": args.requests,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "gap_s": args.gap_s,
-        "load_before": load_before, "load_after": os.getloadavg(), "logs": str(work)}}
+        "load_before": load_before, "load_after": os.getloadavg(), "logs": str(work),
+        "router_first_token": first_token}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -39,8 +39,9 @@ the normal path (fence, cancel, time-out) and goes when its claims are done
 at once (unless a decoder request already waits for it), and a registration of a request not
 yet claimed is failed at once (``TransferFailed``; counted ``stale{registration_after_router_
 release}``) and never written. A request already claimed keeps its source (its later ranks and
-attempts pair as usual); one still waiting for a prefill goes with the release, or with the
-cancel that leaves it asking for nothing (``_wants_nothing``). After the tombstone expired, a late registration only waits for a
+attempts pair as usual); one still waiting for a prefill that asks for nothing (every rank
+cancelled or release-only: ``_wants_nothing``) goes with the release, or with the cancel that
+leaves it so. After the tombstone expired, a late registration only waits for a
 prefill that is gone and is failed at its time-out.
 
 Expired prefills: a prefill no decoder request claimed within ``rendezvous_ttl_s`` (its
@@ -184,11 +185,13 @@ class _Answered:
 
 
 def _wants_nothing(claim: Claim) -> bool:
-    """No registration ``claim`` holds asks for KV: each was cancelled (or its decoder is gone),
-    or only lets the prefill go (the decoder request ended first). Once the router released
-    the transfer, such a claim waiting for a prefill waits for nothing: a prefill that comes
-    later is released at once."""
-    return all(r.release_only for r in claim.regs.values())
+    """Every decoder rank ``claim`` serves is accounted for and none asks for KV: each rank's
+    registration was cancelled (or its decoder is gone), or only lets the prefill go (the
+    decoder request ended first). Once the router released the transfer, such a claim waiting
+    for a prefill waits for nothing: a prefill that comes later is released at once. A rank not
+    heard from yet keeps the claim, so that its registration pairs as the module doc says."""
+    return (claim.targets <= claim.resolved | set(claim.regs)
+            and all(r.release_only for r in claim.regs.values()))
 
 
 

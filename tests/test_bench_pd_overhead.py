@@ -98,3 +98,44 @@ def test_summary_differences_and_ratios():
     assert "| legs_push - legs_plain | +2.0 |" in md
     assert s["d_first"]["legs_push"]["n"] == 2 and s["d_first"]["legs_plain"] is None
     assert "| legs_push, D's first token | 29.0 ms |" in md
+
+
+def test_rounds_are_shuffled_and_warm_up_is_not_recorded(monkeypatch):
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        return httpx.Response(200, content=SSE)
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(po.httpx, "AsyncClient",
+                        lambda **kw: real(transport=httpx.MockTransport(handler)))
+    variants = ["p_alone", "router", "single"]
+    prompts = po.prompts_for(variants, 12, 5, seed=1)
+    out = asyncio.run(po.run_variants(URLS, variants, prompts, 4, 0.0, warmup=2))
+    assert [sum(r["variant"] == v for r in out) for v in variants] == [10, 10, 10]
+    orders = {tuple(r["variant"] for r in out[i:i + 3]) for i in range(0, 30, 3)}
+    assert len(orders) > 1 and all(sorted(o) == sorted(variants) for o in orders)
+    assert len(seen) == 36  # the warm-up rounds were sent
+
+
+def test_a_failed_leg_cancels_the_other_and_is_recorded(monkeypatch):
+    cancelled = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "p":
+            return httpx.Response(500, content=b"boom")
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return httpx.Response(200, content=SSE)
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(po.httpx, "AsyncClient",
+                        lambda **kw: real(transport=httpx.MockTransport(handler)))
+    prompts = po.prompts_for(["legs_push"], 2, 5, seed=1)
+    out = asyncio.run(po.run_variants(URLS, ["legs_push"], prompts, 4, 0.0, warmup=0))
+    assert [("HTTP 500" in r.get("error", "")) for r in out] == [True, True]
+    assert cancelled == [True, True]

@@ -751,6 +751,52 @@ def test_a_release_keeps_a_claim_whose_other_rank_still_asks():
     assert [type(m).__name__ for m in b.got(rank=1)] == ["WriteDone"] and b.writes() != []
 
 
+def test_a_release_keeps_a_claim_with_a_rank_not_heard_from_until_it_cancels():
+    """Two decoder ranks: rank 0 registered and cancelled, rank 1 not heard from yet when the
+    router releases. The claim stays (rank 1's registration pairs as any later rank does, it is
+    not failed); when rank 1 cancels too the claim goes, and nothing expires at the TTL."""
+    b = Bench(d_tp=2)
+    b.register(rank=0)
+    b.cancel(rank=0)
+    b.release()
+    assert b.producer.rdv.num_claims == 1
+    b.register(rank=1)
+    assert failed(b, rank=1) == [] and b.p.count("transfers_failed") == 0
+    b.cancel(rank=1)
+    assert b.got(rank=1) == [ack()] and b.producer.rdv.num_claims == 0
+    b.clock.advance(TTL + 1)
+    b.p.step()
+    assert b.p.count("expired") == 0 and b.idle()
+
+
+def test_a_release_drops_a_claim_made_by_a_cancel_alone():
+    """D cancelled a request whose registration P never saw (lost or late): the claim the
+    cancel made asks for nothing and goes with the release; its registration, if it comes
+    after all, is stale (already answered) and never written."""
+    b = Bench()
+    b.cancel()
+    assert b.got() == [ack()] and b.producer.rdv.num_claims == 1
+    b.release()
+    assert b.producer.rdv.num_claims == 0
+    b.register()
+    b.prefill()
+    assert b.writes() == [] and b.released == ["req-1"]
+
+
+def test_a_fanout_prefill_serves_its_other_sample_when_one_is_cancelled_and_released():
+    """n=2 from one prefill (capacity 2): one sample's request cancelled, the router released
+    the transfer (its exchange ended without that sample); the other sample, registered, is
+    still written and the prefill freed after it."""
+    b = Bench()
+    b.register(reg="d-1")
+    b.register(reg="d-2")
+    b.cancel(reg="d-1")
+    b.release()
+    b.prefill(capacity=2)
+    kinds = [type(m).__name__ for m in b.got()]
+    assert kinds.count("WriteDone") == 1 and b.released == ["req-1"] and b.idle()
+
+
 def test_released_transfer_ids_are_bounded_and_expire(monkeypatch):
     monkeypatch.setattr(producer_module, "MAX_RELEASED_TIDS", 3)
     b = Bench()

@@ -197,6 +197,8 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
         argv += ["--tensor-parallel-size", str(tp)]
     if block_size is not None:
         argv += ["--block-size", str(block_size)]
+    if isinstance(vllm_args, str):  # (a string would go in character by character)
+        raise TypeError("vllm_args is a sequence of arguments, not one string")
     argv += list(vllm_args)  # more `vllm serve` arguments, as given
     bind = str(cpu)
     if tp > 1 and "|" not in bind:
