@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -1644,20 +1645,35 @@ async def test_when_both_legs_reject_a_request_the_client_gets_decodes_answer():
         d.behavior.delay = 0.2
         r = await c.client.post("/v1/completions", json=COMPLETION)
         assert r.status_code == 400 and r.json() == VLLM_400
+        m = await c.metrics()  # both rejected it: not a P/D disagreement
+        assert not any(k[0] == "kv_push_router_prefill_rejected_alone_total" and v
+                       for k, v in m.items())
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
-async def test_a_4xx_from_prefill_alone_is_the_clients_if_decode_never_answers():
+async def test_a_4xx_from_prefill_alone_is_the_clients_if_decode_never_answers(caplog):
+    """P rejects what D accepts (a walkthrough: P started with --max-model-len 512, D with
+    1024, a 600-token prompt): the client gets P's error after the grace; the router counts it
+    and says, once a minute per pair, that P and D may differ in their limits."""
     async with cluster() as c:
         (p,), (d,) = c.prefills, c.decodes
         p_err = {"error": {"message": "P says no", "type": "BadRequestError", "param": "x",
                            "code": 422}}
         p.behavior.fail_status, p.behavior.error_body = 422, p_err
         d.behavior.delay = 30.0  # D waits for KV that never comes
-        r = await c.client.post("/v1/completions", json=COMPLETION)
-        assert r.status_code == 422 and r.json() == p_err
-        await eventually(lambda: bool(d.records) and d.records[0].disconnected,
-                         "D leg to be cancelled")
+        with caplog.at_level(logging.WARNING, logger="kv_push.router"):
+            for _ in range(2):
+                r = await c.client.post("/v1/completions", json=COMPLETION)
+                assert r.status_code == 422 and r.json() == p_err
+        await eventually(lambda: len(d.records) == 2 and all(x.disconnected for x in d.records),
+                         "D legs to be cancelled")
+        m = await c.metrics()
+        p_url = c.router.prefill_pool.backends[0].url
+        d_url = c.router.decode_pool.backends[0].url
+        assert m[("kv_push_router_prefill_rejected_alone_total", (("backend", p_url),))] == 2
+        said = [rec.getMessage() for rec in caplog.records if "did not" in rec.getMessage()]
+        assert len(said) == 1 and p_url in said[0] and d_url in said[0], said
+        assert "HTTP 422: P says no" in said[0] and "--max-model-len" in said[0]
         await eventually(lambda: all_idle(c), "router to be idle")
 
 

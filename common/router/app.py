@@ -128,6 +128,10 @@ class Metrics:
             "KV transfer, by reason (beam_search: vLLM runs beam search as requests of its own, "
             "which take no kv_transfer_params; prompt_logprobs: vLLM computes the prompt of such "
             "a request itself)", ["reason"], registry=r)
+        self.prefill_rejected_alone = Counter(
+            p + "prefill_rejected_alone", "Requests a prefill server rejected (4xx) while the "
+            "decode server had not within the grace: the client got P's error (P and D started "
+            "with different limits?)", ["backend"], registry=r)
         self.prefill_not_held = Counter(
             p + "prefill_not_held", "push: P answers that did not hold the prefill for a KV "
             "transfer (no kv_transfer_params.transfer_id): D computed the prompt itself",
@@ -1018,6 +1022,20 @@ class Router:
                 "side channel, at the address this router gives decoders for it (kv=), does not "
                 f"answer: {without_addresses(cause)}", "kv_side_channel_unreachable")
 
+    def _note_rejected_by_prefill_alone(self, ex: Exchange, err: UpstreamError) -> None:
+        """P rejected a request (4xx) that D had not rejected within the grace: the two do not
+        accept the same requests -- most often a different ``--max-model-len`` -- and every
+        such request fails with P's error while D's ``/v1/models`` (the router's) promises
+        more. Counted, and said at most once a minute per P/D pair."""
+        p_url, d_url = ex.p.backend.url, ex.d.backend.url
+        self.metrics.prefill_rejected_alone.labels(backend=p_url).inc()
+        self._log.warn(f"rejected_alone {p_url} {d_url}",
+                       "prefill server %s rejected a request that decode server %s did not "
+                       "(tid=%s, HTTP %d: %s): if they were started with different limits "
+                       "(--max-model-len, --max-num-seqs, the model's), every such request "
+                       "fails with P's error; start P and D with the same ones",
+                       p_url, d_url, ex.tid, err.status, err.message[:200])
+
     def _check_held(self, ex: Exchange, data: dict) -> None:
         """(push) A kv-push producer answers a P leg whose prefill it holds for D with the
         leg's transfer id; an answer without it means D gets no KV and computes the prompt
@@ -1163,6 +1181,7 @@ class Router:
                                          timeout=timeout)
             if not done:  # D did not answer in time: P's error is the client's
                 assert p_error is not None
+                self._note_rejected_by_prefill_alone(ex, p_error)
                 raise p_error
             if ex.disconnect in done:
                 raise ClientGone
