@@ -136,7 +136,7 @@ async def test_usage_and_max_tokens_1_as_a_single_server_streams():
     ({"prompt": ["a", "b"]}, "prompt_list"),
     ({"min_tokens": 2}, "min_tokens"),
     ({"guided_regex": "a+"}, "structured"),
-    ({"return_token_ids": True}, "logprobs"),
+    ({"return_token_ids": True}, "token_ids"),
 ])
 async def test_requests_that_do_not_qualify_take_the_decode_stream(change, reason):
     body = {k: v for k, v in {**COMPLETION, **GREEDY, **change}.items() if v is not None}

@@ -88,8 +88,10 @@ def ineligible(body: dict, chat: bool) -> str | None:
             return "prompt_list"
         if body.get("echo"):
             return "echo"
-    if body.get("prompt_logprobs") is not None or body.get("return_token_ids"):
+    if body.get("prompt_logprobs") is not None:
         return "logprobs"
+    if body.get("return_token_ids"):  # (each event's token ids: D's would be off by one)
+        return "token_ids"
     if body.get("stop"):
         return "stop_strings"
     if body.get("min_tokens"):
