@@ -26,7 +26,9 @@ stream's for ``router`` (the router's ``first_token_total`` counts, recorded, sa
 they came from P). A single server alone on core 0 (``single``, started after P/D is stopped,
 the same number of fresh prompts back to back) is the floor. It is not interleaved with the
 P/D variants (it needs core 0), so its ratios move with each start: P's leg alone, which is a
-plain vLLM server's answer, shows by how much.
+plain vLLM server's answer, shows by how much. Before that, the same single server runs
+``single_beside_d``: its requests interleaved with D computing plain requests of its own
+(``d_alone``) on core 1, as P's answers had D busy beside them.
 
 The stage breakdown of a push request (``bench_ttft_breakdown.py``) shows when each stage is
 reached; this shows what each part adds, on the same servers in the same minutes. The
@@ -68,8 +70,13 @@ from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, me
 REPO = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("p_alone", "legs_plain", "legs_push", "router")
+#: variants that send the client's whole request to one server: variant -> its ``urls`` key
+#: (``d_alone``: D computing plain requests beside ``single_beside_d``)
+WHOLE = {"router": "router", "single": "single", "single_beside_d": "single", "d_alone": "d"}
 #: (variant, the variant it is compared with, what the difference is)
 DIFFERENCES = [
+    ("p_alone", "single_beside_d", "P's plain answer against a single server's, both with D "
+     "computing beside them (P's connector, the router idle, the start)"),
     ("legs_plain", "p_alone", "a concurrent D leg (no transfer)"),
     ("legs_push", "legs_plain", "the push protocol on P's answer (registration, pairing, WRITE)"),
     ("router", "legs_push", "the router's two hops"),
@@ -120,10 +127,11 @@ async def one(client: httpx.AsyncClient, variant: str, prompt: list[int], urls: 
     """One request of ``variant``: its TTFT (and D's first event where D's leg is the
     client's own)."""
     t0 = time.perf_counter()
-    if variant in ("router", "single"):
+    if variant in WHOLE:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True}
-        return {"variant": variant, "ttft": await first_token_ms(client, urls[variant], body, t0)}
+        url = urls[WHOLE[variant]]
+        return {"variant": variant, "ttft": await first_token_ms(client, url, body, t0)}
     tid = uuid.uuid4().hex
     p_body, d_body = leg_bodies(variant, prompt, max_tokens, "127.0.0.1", urls["kv_port"], tid)
     headers = {"X-Request-Id": tid}
@@ -187,7 +195,7 @@ def report_md(result: dict) -> str:
              f"{s['failed']}. The router's first tokens (warm-up included): "
              f"{m.get('router_first_token', '-')}.", "",
              "| variant | TTFT p50 | p90 | min | n | / single p50 |", "|---|---|---|---|---|---|"]
-    for v in (*VARIANTS, "single"):
+    for v in (*VARIANTS, "single_beside_d", "single"):
         st = s["ttft"].get(v)
         if not st:
             continue
@@ -258,8 +266,8 @@ def main() -> None:
         ap.error(f"--variants: from {', '.join(VARIANTS)}, got {args.variants!r}")
     work = Path(tempfile.mkdtemp(prefix="pd-overhead-"))
     model = args.model or str(build_tiny_model(REPO / ".work" / "tiny-model"))
-    prompts = prompts_for([*VARIANTS, "single"], args.requests + args.warmup, args.prompt_len,
-                          seed=1)
+    prompts = prompts_for(list(dict.fromkeys([*VARIANTS, *WHOLE])),
+                          args.requests + args.warmup, args.prompt_len, seed=1)
     load_before = os.getloadavg()
     kv_port = free_port()
     p = vllm_server("prefill", python=args.python, model=model, port=free_port(), cpu=0,
@@ -285,18 +293,28 @@ def main() -> None:
         # the router fell back to D's (builds not read yet, D first, a mismatch)
         first_token = {path: metric(r.url, "kv_push_router_first_token_total", path=path)
                        for path in ("prefill", "decode", "mismatch")}
+    except BaseException:
+        d.stop()
+        raise
     finally:
         for s in reversed(servers):
-            s.stop()
+            if s is not d:  # D stays for the single server's run beside it
+                s.stop()
     single = vllm_server("single", python=args.python, model=model, port=free_port(), cpu=0,
                          log_dir=work, whole_server_on_cpu=True)
     try:
         single.wait_healthy()
         log("single server up")
+        # beside D serving plain requests on core 1 (the box as P had it), then alone
+        requests += asyncio.run(run_variants(
+            {"single": single.url, "d": d.url}, ["single_beside_d", "d_alone"], prompts,
+            args.max_tokens, args.gap_s, args.warmup))
+        d.stop()
         requests += asyncio.run(run_variants({"single": single.url}, ["single"], prompts,
                                              args.max_tokens, args.gap_s, args.warmup))
     finally:
         single.stop()
+        d.stop()
     result = {"summary": summarize(requests), "requests": requests, "meta": {
         "command": " ".join(["bench_pd_overhead.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit(),

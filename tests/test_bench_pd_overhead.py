@@ -60,7 +60,8 @@ def test_plain_variants_send_no_transfer_parameters(variant, hosts):
 
 
 def test_router_and_single_get_the_whole_request():
-    for variant, host in (("router", "r"), ("single", "s")):
+    for variant, host in (("router", "r"), ("single", "s"), ("single_beside_d", "s"),
+                          ("d_alone", "d")):
         rec, seen = run_one(variant)
         assert [(h, b["max_tokens"], "kv_transfer_params" in b) for h, b, _ in seen] == \
             [(host, 4, False)]
@@ -80,7 +81,7 @@ def test_prompts_differ_across_variants_and_rounds():
 
 def test_summary_differences_and_ratios():
     ttft = {"p_alone": [20, 21, 22], "legs_plain": [21, 22, 23], "legs_push": [23, 24, 25],
-            "router": [25, 26, 27], "single": [19, 20, 21]}
+            "router": [25, 26, 27], "single": [19, 20, 21], "single_beside_d": [19.5, 20, 20.5]}
     reqs = [{"variant": v, "ttft": t} for v, ts in ttft.items() for t in ts]
     reqs.append({"variant": "router", "error": "boom"})
     reqs += [{"variant": "legs_push", "ttft": 24, "d_first": 30}]
@@ -88,7 +89,7 @@ def test_summary_differences_and_ratios():
 
     s = po.summarize(reqs)
     assert {d["variant"]: d["p50_ms"] for d in s["differences"]} == \
-        {"legs_plain": 1, "legs_push": 2, "router": 2}
+        {"p_alone": 1, "legs_plain": 1, "legs_push": 2, "router": 2}
     assert s["ratio_to_single"]["router"] == pytest.approx(26 / 20)
     assert s["failed"] == 1 and s["ttft"]["router"]["n"] == 3
     meta = {"command": "x", "date": "d", "commit": "c", "prompt_len": 3, "max_tokens": 4,
