@@ -1673,7 +1673,8 @@ async def test_a_4xx_from_prefill_alone_is_the_clients_if_decode_never_answers(c
         assert m[("kv_push_router_prefill_rejected_alone_total", (("backend", p_url),))] == 2
         said = [rec.getMessage() for rec in caplog.records if "did not" in rec.getMessage()]
         assert len(said) == 1 and p_url in said[0] and d_url in said[0], said
-        assert "HTTP 422: P says no" in said[0] and "--max-model-len" in said[0]
+        assert "returned HTTP 422: P says no)" in said[0] and "--max-model-len" in said[0]
+        assert said[0].count("HTTP 422") == 1
         await eventually(lambda: all_idle(c), "router to be idle")
 
 

@@ -1031,10 +1031,10 @@ class Router:
         self.metrics.prefill_rejected_alone.labels(backend=p_url).inc()
         self._log.warn(f"rejected_alone {p_url} {d_url}",
                        "prefill server %s rejected a request that decode server %s did not "
-                       "(tid=%s, HTTP %d: %s): if they were started with different limits "
+                       "(tid=%s: %s): if they were started with different limits "
                        "(--max-model-len, --max-num-seqs, the model's), every such request "
                        "fails with P's error; start P and D with the same ones",
-                       p_url, d_url, ex.tid, err.status, err.message[:200])
+                       p_url, d_url, ex.tid, err.message[:240])
 
     def _check_held(self, ex: Exchange, data: dict) -> None:
         """(push) A kv-push producer answers a P leg whose prefill it holds for D with the
