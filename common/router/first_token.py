@@ -90,7 +90,7 @@ def ineligible(body: dict, chat: bool) -> str | None:
             return "echo"
     if body.get("prompt_logprobs") is not None:
         return "logprobs"
-    if body.get("return_token_ids"):  # (each event's token ids: D's would be off by one)
+    if body.get("return_token_ids"):
         return "token_ids"
     if body.get("stop"):
         return "stop_strings"
