@@ -60,6 +60,7 @@ class Behavior:
     eos_at: int | None = None  # the token index that is an end of sequence (its text is "")
     version: str | None = "0.32.0+fake"  # what GET /version answers (None: 404)
     model_root: str = "/models/fake"  # the ``root`` of its one model in GET /v1/models
+    max_model_len: int | None = 1024  # that model's ``max_model_len`` there (None: left out)
 
 
 def _stream_error(code: int) -> dict:
@@ -131,9 +132,10 @@ class FakeVLLM:
         return await self._serve(request, chat=True)
 
     async def _models(self) -> JSONResponse:
-        return JSONResponse({"object": "list",
-                             "data": [{"id": "fake-model", "owned_by": self.name,
-                                       "root": self.behavior.model_root}]})
+        model = {"id": "fake-model", "owned_by": self.name, "root": self.behavior.model_root}
+        if self.behavior.max_model_len is not None:
+            model["max_model_len"] = self.behavior.max_model_len
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def _version(self) -> Response:
         if self.behavior.version is None:

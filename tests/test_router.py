@@ -106,7 +106,9 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
                   prefill_opts: str = "", p_tp: int = 1, side_channels: bool = True,
                   release_timeout: float = 5.0, first_token: str = "off", timeout: float = 10.0,
                   dead_decodes: int = 0, dead_prefills: int = 0,
-                  decode_metrics: str = "") -> AsyncIterator[Cluster]:
+                  decode_metrics: str = "",
+                  before_start: Callable[[list, list], None] | None = None
+                  ) -> AsyncIterator[Cluster]:
     """Fake P/D servers plus a router in front of them, all on loopback ports; with
     ``side_channels`` each P's side channel (``p_tp`` ranks for P 0) is a recorder.
     ``dead_decodes`` / ``dead_prefills``: that many more backends first in the router's lists,
@@ -116,6 +118,8 @@ async def cluster(n_p: int = 1, n_d: int = 1, mode: str = "push", dead_decode: b
     decodes = [FakeVLLM(f"d{i}") for i in range(n_d)]
     for d in decodes:
         d.behavior.metrics_text = decode_metrics or d.behavior.metrics_text
+    if before_start is not None:  # (what the router reads at its start-up)
+        before_start(prefills, decodes)
     p_socks = [bind() for _ in prefills]
     d_socks = [bind() for _ in decodes]
     d_urls = [url for _, url in d_socks]
@@ -1651,6 +1655,29 @@ async def test_when_both_legs_reject_a_request_the_client_gets_decodes_answer():
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+async def test_p_and_d_with_different_context_lengths_are_named_at_start(caplog):
+    """The router reads each backend's /v1/models at start-up: a P whose max_model_len is
+    smaller than D's is logged (WARNING, once) and listed in /health; a pair that agrees is
+    not."""
+    def lengths(prefills, decodes):
+        prefills[0].behavior.max_model_len = 512
+
+    with caplog.at_level(logging.WARNING, logger="kv_push.router"):
+        async with cluster(n_p=2, before_start=lengths) as c:
+            await eventually(lambda: bool(c.router.limit_mismatches), "the start-up reading")
+            p_urls = [b.url for b in c.router.prefill_pool.backends]
+            d_url = c.router.decode_pool.backends[0].url
+            assert c.router.limit_mismatches == [{
+                "prefill": p_urls[0], "decode": d_url, "model": "fake-model",
+                "prefill_max_model_len": 512, "decode_max_model_len": 1024}]
+            health = (await c.client.get("/health")).json()
+            assert health["limit_mismatches"] == c.router.limit_mismatches
+            r = await c.client.post("/v1/completions", json=COMPLETION)
+            assert r.status_code == 200  # a warning, not a refusal
+    said = [rec.getMessage() for rec in caplog.records if "max_model_len 512" in rec.getMessage()]
+    assert len(said) == 1 and p_urls[0] in said[0] and "prompts of 513-1023 tokens" in said[0]
+
+
 async def test_a_4xx_from_prefill_alone_is_the_clients_if_decode_never_answers(caplog):
     """P rejects what D accepts (a walkthrough: P started with --max-model-len 512, D with
     1024, a 600-token prompt): the client gets P's error after the grace; the router counts it
@@ -1859,8 +1886,10 @@ async def test_the_legs_honour_the_proxy_variables(monkeypatch, no_proxy: bool):
             else:
                 p_url = c.router.prefill_pool.backends[0].url
                 d_url = c.router.decode_pool.backends[0].url
-                legs = [u for u in proxy.urls if not u.endswith("/metrics")]  # (the router's
-                # read of D's refusals at its start goes the same way)
+                # (the router's start-up reads, of D's refusals and of every backend's
+                # context length, go the same way)
+                legs = [u for u in proxy.urls if not u.endswith(("/metrics", "/v1/models"))]
                 assert sorted(legs) == sorted([p_url + "/v1/completions",
                                                d_url + "/v1/completions"])
+                assert {p_url + "/v1/models", d_url + "/v1/models"} <= set(proxy.urls)
                 assert all(b.proxy == proxy_url for b in backends)

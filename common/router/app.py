@@ -50,6 +50,7 @@ from prometheus_client import generate_latest
 from kv_push.common import timing
 from kv_push.common.auth import SecretError, TransferParamsSigner
 from kv_push.common.metrics import LogLimiter
+from kv_push.common.router import limits
 from kv_push.common.router.builds import Build, BuildBook, read_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, parse_args
@@ -573,6 +574,9 @@ class Router:
         self.client: httpx.AsyncClient | None = None  # health probes, /metrics, forward()
         self.legs: aiohttp.ClientSession | None = None  # the P and D legs (LegResponse)
         self._background: set[asyncio.Task] = set()
+        #: (P, D, model) pairs started with different max_model_len (limits.py), once read
+        self.limit_mismatches: list[dict] = []
+        self._limits_task: asyncio.Task | None = None
         self.compat = PairCompat()
         #: (push, first token from P) which vLLM build each backend runs (builds.py)
         self.builds = BuildBook()
@@ -627,8 +631,27 @@ class Router:
             self.refresh_build(b)
         if c.mode == "push":
             self.adopt(asyncio.get_running_loop().create_task(self._baseline_refusals()))
+        # (not adopted: it may wait minutes for a backend that is not up yet)
+        self._limits_task = asyncio.get_running_loop().create_task(self._check_limits())
+
+    async def _check_limits(self) -> None:
+        """P/D pairs started with different ``--max-model-len`` (``limits.py``): said once."""
+        def found(found: list[dict]) -> None:
+            self.limit_mismatches = found
+            for m in found:
+                logger.warning("%s", limits.describe(m))
+
+        async def read(url: str, proxy: str | None) -> dict[str, int] | None:
+            assert self.legs is not None
+            return await limits.read_lengths(self.legs, url, proxy)
+        await limits.check_at_start({b.url: b.proxy for b in self.prefill_pool.backends},
+                                    {b.url: b.proxy for b in self.decode_pool.backends},
+                                    read, found)
 
     async def stop(self) -> None:
+        if self._limits_task is not None:
+            self._limits_task.cancel()
+            await asyncio.gather(self._limits_task, return_exceptions=True)
         await self.releaser.close()
         for t in list(self._background):
             t.cancel()
@@ -1318,7 +1341,8 @@ class Router:
         info: dict[str, Any] = {
             "status": "degraded" if any(problems) or incompatible or down or not_held
             or kv_flagged else "ok",
-            "mode": self.config.mode, "prefill": [], "decode": [], "incompatible": incompatible}
+            "mode": self.config.mode, "prefill": [], "decode": [], "incompatible": incompatible,
+            "limit_mismatches": self.limit_mismatches}
         for i, b in enumerate(backends):
             entry: dict[str, Any] = {"url": b.url, "outstanding": b.outstanding}
             if not b.up(now):
