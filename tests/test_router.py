@@ -1675,7 +1675,7 @@ async def test_p_and_d_with_different_context_lengths_are_named_at_start(caplog)
             r = await c.client.post("/v1/completions", json=COMPLETION)
             assert r.status_code == 200  # a warning, not a refusal
     said = [rec.getMessage() for rec in caplog.records if "max_model_len 512" in rec.getMessage()]
-    assert len(said) == 1 and p_urls[0] in said[0] and "prompts of 513-1023 tokens" in said[0]
+    assert len(said) == 1 and p_urls[0] in said[0] and "prompts of 512-1023 tokens" in said[0]
 
 
 async def test_a_4xx_from_prefill_alone_is_the_clients_if_decode_never_answers(caplog):

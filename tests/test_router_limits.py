@@ -24,10 +24,10 @@ def test_mismatches_name_each_pair_and_model_that_differ():
         {"prefill": "p0", "decode": "d0", "model": "m", "prefill_max_model_len": 512,
          "decode_max_model_len": 1024}]
     text = limits.describe(limits.mismatches(prefill, decode)[0])
-    assert "P's is smaller" in text and "prompts of 513-1023 tokens" in text
+    assert "P's is smaller" in text and "prompts of 512-1023 tokens" in text
     other = limits.describe({"prefill": "p", "decode": "d", "model": "m",
                              "prefill_max_model_len": 2048, "decode_max_model_len": 1024})
-    assert "D's is smaller" in other and "over 1023 tokens" in other
+    assert "D's is smaller" in other and "prompts of 1024 tokens or more" in other
 
 
 def test_check_at_start_retries_until_every_backend_answered():

@@ -73,10 +73,10 @@ def mismatches(prefill: dict[str, dict[str, int]], decode: dict[str, dict[str, i
 def describe(m: dict) -> str:
     """A mismatch as the WARNING says it."""
     p_len, d_len = m["prefill_max_model_len"], m["decode_max_model_len"]
-    smaller, effect = ("P", f"prompts of {p_len + 1}-{d_len - 1} tokens fail with P's 400 while "
-                            f"the router's /v1/models says {d_len}") if p_len < d_len else \
-        ("D", f"prompts D cannot take (over {d_len - 1} tokens) are prefilled by P, then "
-              "refused by D")
+    # (P's leg asks for one token: a prompt of max_model_len tokens leaves it none)
+    smaller, effect = ("P", f"prompts of {p_len}-{d_len - 1} tokens, which D would take, fail "
+                            f"with P's 400 while the router's /v1/models says {d_len}") \
+        if p_len < d_len else ("D", f"prompts of {d_len} tokens or more are refused by D")
     return (f"prefill server {m['prefill']} serves {m['model']!r} with max_model_len {p_len}, "
             f"decode server {m['decode']} with {d_len} ({smaller}'s is smaller: {effect}); "
             "start P and D with the same --max-model-len")
