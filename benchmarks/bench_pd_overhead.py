@@ -52,7 +52,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +62,7 @@ from typing import Any
 import httpx
 
 from bench_meta import add_python_arg, source_commit
+from bench_ttft_breakdown import FIRST_FROM_P, log, pct, prompts
 from kv_push.common.testing.sse_lines import asse_lines
 from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, metric, router,
                                                  vllm_server)
@@ -81,10 +81,6 @@ DIFFERENCES = [
     ("legs_push", "legs_plain", "the push protocol on P's answer (registration, pairing, WRITE)"),
     ("router", "legs_push", "the router's two hops"),
 ]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def leg_bodies(variant: str, prompt: list[int], max_tokens: int, kv_host: str, kv_port: int,
@@ -155,9 +151,8 @@ async def one(client: httpx.AsyncClient, variant: str, prompt: list[int], urls: 
 def stats(values: list[float]) -> dict | None:
     if not values:
         return None
-    s = sorted(values)
-    return {"n": len(s), "p50_ms": statistics.median(s), "p90_ms": s[int(0.9 * (len(s) - 1))],
-            "min_ms": s[0]}
+    return {"n": len(values), "p50_ms": pct(values, 0.5), "p90_ms": pct(values, 0.9),
+            "min_ms": min(values)}
 
 
 def summarize(requests: list[dict]) -> dict:
@@ -217,9 +212,8 @@ def report_md(result: dict) -> str:
 def prompts_for(variants: list[str], n: int, length: int, seed: int) -> dict[str, list]:
     """``n`` random token-id prompts per variant, none shared: a prompt sent twice would find
     its blocks in a server's prefix cache the second time."""
-    rng = random.Random(seed)
-    return {v: [[rng.randrange(10, 400) for _ in range(length)] for _ in range(n)]
-            for v in variants}
+    every = prompts(n * len(variants), length, 400, seed)
+    return {v: every[i * n:(i + 1) * n] for i, v in enumerate(variants)}
 
 
 async def run_variants(urls: dict, variants: list[str], prompts: dict[str, list],
@@ -282,7 +276,7 @@ def main() -> None:
         d.wait_healthy()
         r = router(python=args.python, port=free_port(), prefill=[(p.url, kv_port)],
                    decode=[d.url], log_dir=work,
-                   extra_args=["--first-token-from-prefill", "auto"])
+                   extra_args=FIRST_FROM_P)
         servers.append(r)
         r.wait_healthy(60)
         urls = {"p": p.url, "d": d.url, "router": r.url, "kv_port": kv_port}

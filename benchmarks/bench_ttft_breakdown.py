@@ -93,6 +93,9 @@ from kv_push.common.testing.vllm_servers import (Server, build_tiny_model, free_
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: the router's arguments that take the client's first token from P
+FIRST_FROM_P = ["--first-token-from-prefill", "auto"]
+
 #: group -> the P and D servers it starts (name -> their kv_connector_extra_config additions)
 #: and its systems (name -> (P, D) behind one router); a group's systems run side by side
 GROUPS = {
@@ -106,7 +109,7 @@ GROUPS = {
     "first": {"p": {"p": {}}, "d": {"d": {}},
               "systems": {"push first-token=prefill": ("p", "d"),
                           "push first-token=decode": ("p", "d")},
-              "router_args": {"push first-token=prefill": ["--first-token-from-prefill", "auto"]}},
+              "router_args": {"push first-token=prefill": FIRST_FROM_P}},
     "poll": {"p": {"p": {"early_prefill_done": "auto"}},
              "d": {"d-await-0.2ms": {}, "d-await-1ms": {"await_poll_s": 0.001}},
              "systems": {"push await_poll_s=0.0002": ("p", "d-await-0.2ms"),
@@ -124,10 +127,8 @@ GROUPS = {
                      "d": {"d": {}, "d-quiet": {"idle_step_wait_s": 0, "await_poll_s": 0.001}},
                      "systems": {"push first-token=prefill": ("p", "d"),
                                  "push first-token=prefill d-quiet": ("p", "d-quiet")},
-                     "router_args": {
-                         "push first-token=prefill": ["--first-token-from-prefill", "auto"],
-                         "push first-token=prefill d-quiet": ["--first-token-from-prefill",
-                                                              "auto"]}},
+                     "router_args": {"push first-token=prefill": FIRST_FROM_P,
+                                     "push first-token=prefill d-quiet": FIRST_FROM_P}},
     # two P, one D, the first token from P: P's thread backing off while a registration waits
     # for its prefill (prefill_wait_poll_s default) against polling NIXL every idle_poll_s
     # through the prefill (as before the setting existed)
@@ -135,10 +136,8 @@ GROUPS = {
                      "d": {"d": {}},
                      "systems": {"push prefill_wait_poll_s=0.02": ("p-backoff", "d"),
                                  "push prefill_wait_poll_s=0.001": ("p-poll", "d")},
-                     "router_args": {
-                         "push prefill_wait_poll_s=0.02": ["--first-token-from-prefill", "auto"],
-                         "push prefill_wait_poll_s=0.001": ["--first-token-from-prefill",
-                                                            "auto"]}},
+                     "router_args": {"push prefill_wait_poll_s=0.02": FIRST_FROM_P,
+                                     "push prefill_wait_poll_s=0.001": FIRST_FROM_P}},
 }
 
 #: the stages of a push request in the order it meets them (common/timing.py)
@@ -419,7 +418,7 @@ def _p50_ms(reqs: list[dict], key: str) -> float | None:
 
 
 def _ms(v: float | None) -> str:
-    return f1(v) if v is None else f"{f1(v)} ms"
+    return "-" if v is None else f"{f1(v)} ms"
 
 
 def write_md(path: Path, result: dict) -> None:

@@ -536,8 +536,8 @@ class Producer:
                 pass  # a newer attempt of that rank is registered and stays
             except ConflictEvent as e:
                 self.ctx.counters.reject("conflict", str(e), context="cancel")
-            if msg.transfer_id in self.released_tids:  # (as in ``release``)
-                self.rdv.drop_waiting(rdv_key, lambda c: c.key == request and _wants_nothing(c))
+            if msg.transfer_id in self.released_tids:  # as ``release`` does
+                self.rdv.drop_waiting(rdv_key, _wants_nothing)
         if job is not None:
             job.ack_cancel = True  # answered when no chunk of it is in flight any more
             job.stop = job.stop or "cancelled"

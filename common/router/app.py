@@ -636,9 +636,9 @@ class Router:
 
     async def _check_limits(self) -> None:
         """P/D pairs started with different ``--max-model-len`` (``limits.py``): said once."""
-        def found(found: list[dict]) -> None:
-            self.limit_mismatches = found
-            for m in found:
+        def found(pairs: list[dict]) -> None:
+            self.limit_mismatches = pairs
+            for m in pairs:
                 logger.warning("%s", limits.describe(m))
 
         async def read(url: str, proxy: str | None) -> dict[str, int] | None:

@@ -71,14 +71,21 @@ class Build:
         return f"vLLM {self.version}, models {models}"
 
 
+async def get_json(session: aiohttp.ClientSession, url: str, proxy: str | None
+                   ) -> tuple[int, Any]:
+    """GET ``url`` (through ``proxy``, no redirects): (200, its JSON) or (the status, None).
+    Raises aiohttp's errors and ValueError (a body that is not JSON)."""
+    async with session.get(url, proxy=proxy, allow_redirects=False) as resp:
+        if resp.status != 200:
+            return resp.status, None
+        return 200, await resp.json(content_type=None)
+
+
 async def read_build(session: aiohttp.ClientSession, url: str, proxy: str | None
                      ) -> tuple[Build | None, str]:
     """GET ``url``/version and ``url``/v1/models: (the build, "") or (None, why not)."""
     async def get(path: str) -> tuple[int, Any]:
-        async with session.get(url + path, proxy=proxy, allow_redirects=False) as resp:
-            if resp.status != 200:
-                return resp.status, None
-            return 200, await resp.json(content_type=None)
+        return await get_json(session, url + path, proxy)
 
     try:
         async with asyncio.timeout(READ_TIMEOUT_S):  # both GETs together

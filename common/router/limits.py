@@ -21,6 +21,8 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from kv_push.common.router.builds import get_json
+
 logger = logging.getLogger(__name__)
 
 #: how long the start-up reading keeps trying a backend that does not answer yet
@@ -47,13 +49,10 @@ async def read_lengths(session: aiohttp.ClientSession, url: str, proxy: str | No
     """``url``'s model lengths, or None if it does not answer with a model list (yet)."""
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.get(url + "/v1/models", proxy=proxy,
-                                   allow_redirects=False) as resp:
-                if resp.status != 200:
-                    return None
-                return model_lengths(await resp.json(content_type=None))
+            _, listing = await get_json(session, url + "/v1/models", proxy)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
+    return model_lengths(listing)
 
 
 def mismatches(prefill: dict[str, dict[str, int]], decode: dict[str, dict[str, int]]
