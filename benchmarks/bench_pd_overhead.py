@@ -19,7 +19,10 @@ all alike and each variant follows each other about equally often:
   ``legs_plain``: what the push protocol costs P's answer (D's registration, P's pairing and
   WRITE on P's core);
 * ``router``: the whole request through the router, which sends those legs and streams P's
-  token first. Against ``legs_push``: the router's two hops.
+  token first. Against ``legs_push``: the router's two hops;
+* ``router_d_core`` (not run by default): the same through a second router bound to D's core
+  (``taskset``) instead of floating. Against ``router``: whether the router loses time to P's
+  prefill on core 0 (2026-12-06: -0.2 ms, ``pd_overhead.router_d_core.md``).
 
 TTFT is the client's first token event: P's leg's for the three leg variants, the router's
 stream's for ``router`` (the router's ``first_token_total`` counts, recorded, say whether
@@ -69,10 +72,14 @@ from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, me
 
 REPO = Path(__file__).resolve().parents[1]
 
-VARIANTS = ("p_alone", "legs_plain", "legs_push", "router")
+VARIANTS = ("p_alone", "legs_plain", "legs_push", "router", "router_d_core")
+#: run unless ``--variants`` says otherwise (``router_d_core``: a second router bound to D's
+#: core; against ``router``, whether a floating router loses time to P's prefill on its core)
+DEFAULT_VARIANTS = VARIANTS[:4]
 #: variants that send the client's whole request to one server: variant -> its ``urls`` key
 #: (``d_alone``: D computing plain requests beside ``single_beside_d``)
-WHOLE = {"router": "router", "single": "single", "single_beside_d": "single", "d_alone": "d"}
+WHOLE = {"router": "router", "router_d_core": "router_d_core", "single": "single",
+         "single_beside_d": "single", "d_alone": "d"}
 #: (variant, the variant it is compared with, what the difference is)
 DIFFERENCES = [
     ("p_alone", "single_beside_d", "P's plain answer against a single server's, both with D "
@@ -80,6 +87,7 @@ DIFFERENCES = [
     ("legs_plain", "p_alone", "a concurrent D leg (no transfer)"),
     ("legs_push", "legs_plain", "the push protocol on P's answer (registration, pairing, WRITE)"),
     ("router", "legs_push", "the router's two hops"),
+    ("router_d_core", "router", "the router bound to D's core instead of floating"),
 ]
 
 
@@ -171,7 +179,8 @@ def summarize(requests: list[dict]) -> dict:
     p50 = {v: s["p50_ms"] for v, s in out["ttft"].items() if s}
     out["differences"] = [{"variant": a, "against": b, "what": what,
                            "p50_ms": p50[a] - p50[b] if a in p50 and b in p50 else None}
-                          for a, b, what in DIFFERENCES]
+                          for a, b, what in DIFFERENCES
+                          if a in DEFAULT_VARIANTS or a in by]  # (an optional one: if run)
     if "single" in p50:
         out["ratio_to_single"] = {v: p50[v] / p50["single"] for v in p50 if v != "single"}
     out["failed"] = sum(1 for r in requests if "error" in r)
@@ -249,7 +258,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--gap-s", type=float, default=0.0,
                     help="pause after each request (0: back to back, as a closed-loop client)")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help=f"comma-separated, from {', '.join(VARIANTS)} (the single server "
                          "always runs)")
     ap.add_argument("--model", default="", help="model dir (default: build the tiny model)")
@@ -280,6 +289,14 @@ def main() -> None:
         servers.append(r)
         r.wait_healthy(60)
         urls = {"p": p.url, "d": d.url, "router": r.url, "kv_port": kv_port}
+        if "router_d_core" in variants:
+            # a second router bound to D's core, where P's prefill does not run
+            r1 = router(python=args.python, port=free_port(), prefill=[(p.url, kv_port)],
+                        decode=[d.url], log_dir=work, name="router-d-core",
+                        extra_args=FIRST_FROM_P, cpu=1)
+            servers.append(r1)
+            r1.wait_healthy(60)
+            urls["router_d_core"] = r1.url
         log(f"P/D up; {args.requests} requests per variant, interleaved")
         requests = asyncio.run(run_variants(urls, variants, prompts, args.max_tokens,
                                             args.gap_s, args.warmup))

@@ -140,3 +140,12 @@ def test_a_failed_leg_cancels_the_other_and_is_recorded(monkeypatch):
     out = asyncio.run(po.run_variants(URLS, ["legs_push"], prompts, 4, 0.0, warmup=0))
     assert [("HTTP 500" in r.get("error", "")) for r in out] == [True, True]
     assert cancelled == [True, True]
+
+
+def test_the_optional_router_variant_is_compared_only_where_it_ran():
+    ttft = {"router": [25, 26, 27], "router_d_core": [24, 25, 26], "single": [20]}
+    reqs = [{"variant": v, "ttft": t} for v, ts in ttft.items() for t in ts]
+    diffs = {d["variant"]: d["p50_ms"] for d in po.summarize(reqs)["differences"]}
+    assert diffs["router_d_core"] == -1 and diffs["p_alone"] is None
+    assert "router_d_core" not in {d["variant"] for d in po.summarize(reqs[:3])["differences"]}
+    assert "router_d_core" not in po.DEFAULT_VARIANTS

@@ -231,7 +231,9 @@ def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str
 
 def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
            log_dir: Path, mode: str = "push", name: str = "router",
-           extra_env: dict | None = None, extra_args: list[str] | None = None) -> Server:
+           extra_env: dict | None = None, extra_args: list[str] | None = None,
+           cpu: int | str | None = None) -> Server:
+    """Our router (``cpu``: bound to those cores with ``taskset``; by default it floats)."""
     argv = [python, "-m", "kv_push.common.router", "--host", "127.0.0.1", "--port", str(port),
             "--mode", mode, *(extra_args or [])]
     for url, kv_port, *engine in prefill:  # (url, kv port[, engine id])
@@ -239,6 +241,8 @@ def router(*, python: str, port: int, prefill: list[tuple], decode: list[str],
         argv += ["--prefill", spec]
     for url in decode:
         argv += ["--decode", url]
+    if cpu is not None:
+        argv = ["taskset", "-c", str(cpu), *argv]
     return Server(name, argv, {"PYTHONUNBUFFERED": "1", **(extra_env or {})}, port, log_dir)
 
 
