@@ -232,7 +232,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
         self._scheduler.on_recv_finished(connector_output.finished_recving or ())
 
     def request_finished(self, request: Any, block_ids: list[int]):
-        return self._scheduler.request_finished(request, block_ids, compat.finished_ok(request))
+        return self._scheduler.request_finished(request, block_ids, compat.finished_ok(request),
+                                                aborted=compat.finished_aborted(request))
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
         return self.request_finished(request, compat.single_group(block_ids))

@@ -271,6 +271,8 @@ class PrefillAborted:
     #: its blocks are held (a streamed request): the workers report ``req_id`` in
     #: ``finished_sending`` once nothing reads them
     held: bool = False
+    #: vLLM aborted it (its HTTP request ended): decoders are told, but it is no failure
+    aborted: bool = False
 
 
 @dataclass(frozen=True)
@@ -489,15 +491,18 @@ class PushScheduler:
             self._stamp_at_output.clear()
 
     # -- both ------------------------------------------------------------------------------------
-    def request_finished(self, request, block_ids: list[int], finished_ok: bool
-                         ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request, block_ids: list[int], finished_ok: bool,
+                         aborted: bool = False) -> tuple[bool, dict[str, Any] | None]:
+        """``aborted``: vLLM aborted the request (its client hung up, the router closed the
+        leg), as opposed to an error: a producer's decoders are told it will not come either
+        way, but it is counted as abandoned, not failed."""
         try:
-            return self._request_finished(request, block_ids, finished_ok)
+            return self._request_finished(request, block_ids, finished_ok, aborted)
         finally:
             self._verdicts.pop(request.request_id, None)
 
-    def _request_finished(self, request, block_ids: list[int], finished_ok: bool
-                          ) -> tuple[bool, dict[str, Any] | None]:
+    def _request_finished(self, request, block_ids: list[int], finished_ok: bool,
+                          aborted: bool) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         if timing.ENABLED:
             self._recv_tids.pop(rid, None)
@@ -545,18 +550,19 @@ class PushScheduler:
             logger.error("kv_push: streamed request %s ends without blocks %s it was streamed "
                          "from; its transfer is failed", rid,
                          sorted(set(streamed.block_ids) - set(block_ids)))
-            finished_ok = False
+            finished_ok = aborted = False
         if streamed is not None and not (finished_ok and block_ids):
             # its step ran and packs may read its blocks: hold them until the workers say
             # nothing does (they report it in finished_sending); decoders hear it failed
             self._plan.prefill_aborts.append(
                 PrefillAborted(rid, streamed.transfer_id, streamed.prompt_digest,
-                               streamed.capacity, held=True))
+                               streamed.capacity, held=True, aborted=aborted))
             self._held.add(rid)
             return True, None
         if not finished_ok or not block_ids:
             self._plan.prefill_aborts.append(
-                PrefillAborted(rid, params.transfer_id, digest, params.fanout))
+                PrefillAborted(rid, params.transfer_id, digest, params.fanout,
+                               aborted=aborted))
             return False, None
         self._plan.prefills.append(PrefillReady(rid, params.transfer_id, tuple(block_ids),
                                                 int(request.num_computed_tokens), digest,

@@ -46,6 +46,7 @@ from . import timing
 from .connector_scheduler import RELEASE_KEY_PREFIX, PrefillReady, StepPlan
 from .kv_tensors import describe_kv_caches
 from .metrics import Counters, LogLimiter
+from .producer import PREFILL_ABORTED
 from .worker import PushWorker
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ class PushConnectorWorker:
         for p in plan.prefills:
             self._prefill_done(p, "request_finished")
         for a in plan.prefill_aborts:
-            w.prefill_failed(a.transfer_id, "prefill request ended without output",
+            w.prefill_failed(a.transfer_id, PREFILL_ABORTED if a.aborted else
+                             "prefill request ended without output",
                              prompt_digest=a.prompt_digest, capacity=a.capacity,
                              key=a.req_id if a.held else None)
         self._streaming = bool(plan.streaming) and w.streams

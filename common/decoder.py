@@ -528,7 +528,8 @@ class Decoder:
             told.due = max(told.due or 0, msg.chunks_done)
             if want.state == "registered" and told.writes and not told.arrived:
                 why = msg.reason if isinstance(msg, TransferFailed) else "cancelled"
-                self._fail(want, f"producer rank {msg.tp_rank}: {why}")
+                self._fail(want, f"producer rank {msg.tp_rank}: {why}",
+                           abandoned=getattr(msg, "abandoned", ""))
         self._check(want)
 
     def _on_staged_chunk(self, want: _Want, told: _Told, msg: WriteDone, first: bool) -> None:
@@ -567,12 +568,19 @@ class Decoder:
         return self.staged is not None and self.staged.unpacking(self._wid(want))
 
     # -- state changes -------------------------------------------------------------------------
-    def _fail(self, want: _Want, reason: str) -> None:
+    def _fail(self, want: _Want, reason: str, abandoned: str = "") -> None:
+        """``abandoned`` (``TransferFailed.abandoned``): the producer's request ended first
+        (counted and logged as such, at INFO); the request still fails here."""
         if want.state in ("fencing", "done"):
             return
-        self.ctx.counters.inc("transfers_failed")
-        self._log.warn(f"fail {reason}", "kv_push: transfer %s (%s) failed: %s",
-                       want.transfer_id, want.key, reason)
+        if abandoned:
+            self.ctx.counters.inc("transfers_abandoned", label=abandoned)
+            logger.info("kv_push: transfer %s (%s) not made: %s", want.transfer_id, want.key,
+                        reason)
+        else:
+            self.ctx.counters.inc("transfers_failed")
+            self._log.warn(f"fail {reason}", "kv_push: transfer %s (%s) failed: %s",
+                           want.transfer_id, want.key, reason)
         self._fence(want, "failed", reason)
 
     def _fence(self, want: _Want, outcome: str, reason: str) -> None:

@@ -228,6 +228,10 @@ class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True, kw_only=True):
     chunks_done: int = 0
 
 
+#: values of ``TransferFailed.abandoned`` other than "" (they become metric labels)
+ABANDONED = ("prefill_aborted", "router_release")
+
+
 class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
     """P -> D: the transfer cannot complete (WRITE not posted or failed, bad registration).
 
@@ -241,6 +245,11 @@ class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
     tp_rank: int
     reason: str
     chunks_done: int = 0
+    #: not a failure but an abandonment: ``prefill_aborted`` (P's request was aborted: its
+    #: client hung up or the router closed P's leg) or ``router_release`` (the router ended the
+    #: exchange); empty for a failure. Counted as ``transfers_abandoned{reason}`` on both sides
+    #: instead of ``transfers_failed``; any other value is refused (``_check_sane``)
+    abandoned: str = ""
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):
@@ -440,6 +449,8 @@ def _check_sane(msg: Message) -> None:
     elif isinstance(msg, (CancelAck, TransferFailed)):
         if msg.chunks_done < 0:
             raise MessageRejected("invalid", f"negative chunks_done {msg.chunks_done}")
+        if isinstance(msg, TransferFailed) and msg.abandoned and msg.abandoned not in ABANDONED:
+            raise MessageRejected("invalid", f"TransferFailed: abandoned {msg.abandoned[:40]!r}")
     elif isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()

@@ -24,6 +24,10 @@ COUNTERS = {
     "regions_written": "descriptor regions in posted WRITEs",
     "transfers_done": "transfers completed (producer: writes done; decoder: all ranks arrived)",
     "transfers_failed": "transfers that failed",
+    "transfers_abandoned": "transfers not made because the request ended first, by reason: "
+                           "prefill_aborted (P's request aborted: a client hang-up, the router "
+                           "closing P's leg), router_release (the router ended the exchange); "
+                           "not failures",
     "transfer_seconds": "sum of seconds from pairing to WRITE done (producer) / registration to last completion (decoder)",
     "queue_wait_seconds": "sum of seconds work waited in the transfer thread's inbox",
     "registrations_early": "registrations that arrived before the prefill finished",

@@ -184,6 +184,21 @@ class _Answered:
     when: float
 
 
+#: a prefill's failure when vLLM aborted its request (``prefill_failed``'s reason, from the
+#: connector): the decoders it would have served are told, counted as abandoned, not failed
+PREFILL_ABORTED = ("prefill request aborted (its HTTP request ended: a client hang-up, or the "
+                   "router closed P's leg)")
+
+
+def _abandoned(failure: str) -> str:
+    """``TransferFailed.abandoned`` for a pairing with a prefill that ended with ``failure``."""
+    return "prefill_aborted" if failure == PREFILL_ABORTED else ""
+
+
+def _prefill_failure(failure: str) -> str:
+    return failure if _abandoned(failure) else f"prefill failed: {failure}"
+
+
 def _wants_nothing(claim: Claim) -> bool:
     """Every decoder rank ``claim`` serves is accounted for and none asks for KV: each rank's
     registration was cancelled (or its decoder is gone), or only lets the prefill go (the
@@ -485,7 +500,8 @@ class Producer:
         if reg.transfer_id in self.released_tids and self.rdv.claim(reg.request) is None:
             # the router released the transfer (its exchange ended): nothing will pair with
             # this request, and its source may be gone -- say so now, never write
-            self._tell_failed(reg, "the router released this transfer (its exchange ended)", 0)
+            self._tell_failed(reg, "the router released this transfer (its exchange ended)", 0,
+                              abandoned="router_release")
             self.ctx.counters.inc("stale", label="registration_after_router_release")
             return
         if (reg.rdv_key in self.expired_keys and self.rdv.claim(reg.request) is None
@@ -552,17 +568,25 @@ class Producer:
                                       attempt=about.attempt, engine_id=self.ctx.engine_id,
                                       tp_rank=self.ctx.tp_rank, chunks_done=chunks_done))
 
-    def _tell_failed(self, reg: Registration, reason: str, chunks_done: int) -> None:
+    def _tell_failed(self, reg: Registration, reason: str, chunks_done: int,
+                     abandoned: str = "") -> None:
         """Tell the decoder rank that ``reg``'s attempt will not be (fully) written. Only once no
-        chunk of that attempt is in flight: the caller guarantees it."""
-        self.ctx.counters.inc("transfers_failed")
-        logger.warning("kv_push: transfer %s (%s) attempt %d to %s failed: %s", reg.transfer_id,
-                       reg.request[1], reg.attempt, reg.peer, reason)
+        chunk of that attempt is in flight: the caller guarantees it. ``abandoned`` (a value of
+        ``messages.ABANDONED``): no failure, the request ended first (counted and logged as
+        such, at INFO)."""
+        if abandoned:
+            self.ctx.counters.inc("transfers_abandoned", label=abandoned)
+            logger.info("kv_push: transfer %s (%s) attempt %d to %s not made: %s",
+                        reg.transfer_id, reg.request[1], reg.attempt, reg.peer, reason)
+        else:
+            self.ctx.counters.inc("transfers_failed")
+            logger.warning("kv_push: transfer %s (%s) attempt %d to %s failed: %s",
+                           reg.transfer_id, reg.request[1], reg.attempt, reg.peer, reason)
         self._remember(reg.request, reg.tp_rank, reg.attempt, chunks_done)
         self.ctx.send(reg.peer, TransferFailed(
             transfer_id=reg.transfer_id, reg_id=reg.request[1], attempt=reg.attempt,
             engine_id=self.ctx.engine_id, tp_rank=self.ctx.tp_rank, reason=reason,
-            chunks_done=chunks_done))
+            chunks_done=chunks_done, abandoned=abandoned))
 
     def _remember(self, request: RequestKey, rank: int, attempt: int, chunks_done: int) -> None:
         seen = self.answered.setdefault((request, rank), _Answered({}, 0.0))
@@ -588,7 +612,8 @@ class Producer:
             self._resolve(reg)
             return
         if src.failure:
-            self._tell_failed(reg, f"prefill failed: {src.failure}", 0)
+            self._tell_failed(reg, _prefill_failure(src.failure), 0,
+                              abandoned=_abandoned(src.failure))
             self._resolve(reg)
             return
         if peer is None:
@@ -602,7 +627,8 @@ class Producer:
         jkey = (reg.request, reg.tp_rank, reg.attempt)
         stream = self.streams.get(src.key)
         if stream is not None and stream.failure:
-            self._tell_failed(reg, f"prefill failed: {stream.failure}", 0)
+            self._tell_failed(reg, _prefill_failure(stream.failure), 0,
+                              abandoned=_abandoned(stream.failure))
             self._resolve(reg)
             return
         send = None

@@ -120,6 +120,14 @@ def finished_ok(request: Any) -> bool:
     return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
+def finished_aborted(request: Any) -> bool:
+    """True when vLLM aborted the request: its HTTP request ended (a client hung up, a router
+    closed the leg) or it was aborted through the engine's API -- not an engine error."""
+    from vllm.v1.request import RequestStatus  # noqa: PLC0415
+
+    return request.status == RequestStatus.FINISHED_ABORTED
+
+
 def request_id_random_suffix() -> bool:
     """Whether this vLLM appends ``-<8 random hex digits>`` to every engine request id
     (``InputProcessor.assign_request_id`` in 0.29 and 0.32, which came with the environment

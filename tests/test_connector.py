@@ -197,6 +197,10 @@ def test_producer_keeps_blocks_until_sent_and_reports_aborts():
     (abort,) = s.take_plan().prefill_aborts
     assert (abort.req_id, abort.transfer_id, abort.capacity) == ("p2", "t2", 1)
     assert abort.prompt_digest == prompt_digest(list(range(100)))
+    assert abort.aborted is False  # an error: a failure
+    r3 = req("p3", dict(P_PARAMS, transfer_id="t3"))
+    assert s.request_finished(r3, [1], finished_ok=False, aborted=True) == (False, None)
+    assert s.take_plan().prefill_aborts[0].aborted is True  # its client or the router ended it
 
 
 def test_both_halves_name_a_prompt_by_the_same_digest():

@@ -144,10 +144,10 @@ class Bench:
                                   tp_rank=rank, chunks_done=chunks_done))
 
     def failed(self, rank: int = 0, tid: str = "t1", attempt: int = 0, reg: str = "req-1",
-               reason: str = "boom", chunks_done: int = 0) -> None:
+               reason: str = "boom", chunks_done: int = 0, abandoned: str = "") -> None:
         self.send(rank, TransferFailed(transfer_id=tid, reg_id=reg, attempt=attempt,
                                        engine_id="P", tp_rank=rank, reason=reason,
-                                       chunks_done=chunks_done))
+                                       chunks_done=chunks_done, abandoned=abandoned))
 
     def registration(self, tid="t1", attempt=0, blocks=(2, 3), first_token=0, num_tokens=8,
                      reg="req-1", digest=""):
@@ -610,6 +610,21 @@ def test_a_producer_failure_fences_the_other_writers_before_failing():
     b.ack(1)
     assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: boom")]
     assert b.d.count("transfers_failed") == 1 and b.wants() == 0
+
+
+def test_a_transfer_the_producer_abandoned_fails_the_request_but_is_no_failure(caplog):
+    b = Bench()
+    b.expect()
+    b.got()
+    with caplog.at_level(logging.INFO, logger="kv_push"):
+        b.failed(reason="prefill aborted", abandoned="prefill_aborted")
+    # the request still cannot be served from P's KV: vLLM hears it failed
+    assert b.outcomes() == [Outcome("req-1", "failed", "producer rank 0: prefill aborted")]
+    assert b.d.count("transfers_abandoned", label="prefill_aborted") == 1
+    assert b.d.count("transfers_failed") == 0 and b.wants() == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("not made: producer rank 0: prefill aborted" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_a_producer_failure_fails_the_request():

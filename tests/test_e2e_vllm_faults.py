@@ -50,6 +50,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kv_push.common.messages import ABANDONED
 from kv_push.common.server_watch import title_of
 from kv_push.common.testing.vllm_servers import Server, free_port, metric, router, vllm_server
 from kv_push.common.worker import STATE_LOG_ENV
@@ -546,7 +547,11 @@ def _p_counters(p: Server) -> dict[str, float]:
             "expired": metric(p.url, "vllm:kv_push_expired_total"),
             "after_release": metric(p.url, "vllm:kv_push_stale_total",
                                     reason="registration_after_router_release"),
-            "rejected": metric(p.url, "vllm:kv_push_release_rejected_total")}
+            "rejected": metric(p.url, "vllm:kv_push_release_rejected_total"),
+            # a hang-up is no transfer failure: counted as abandoned, by reason
+            "failed": metric(p.url, "vllm:kv_push_transfers_failed_total"),
+            "abandoned": sum(metric(p.url, "vllm:kv_push_transfers_abandoned_total", reason=r)
+                             for r in ABANDONED)}
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -624,7 +629,7 @@ class TestReleaseOnHangUp:
         before D's engine saw the request, some while D registered or received. Both servers
         are idle long before P's TTL."""
         p, d, url = rel["p"], rel["d"], rel["r"].url
-        before = _p_counters(p)
+        before, before_d = _p_counters(p), _p_counters(d)
         t0 = time.monotonic()
 
         async def hang_up(prompt: str, after: float) -> None:
@@ -642,14 +647,20 @@ class TestReleaseOnHangUp:
 
         asyncio.run(storm())
         waited = assert_idle([p, d], within=RELEASE_TTL / 2)
-        got = _delta(_p_counters(p), before)
-        figures("e2e faults", "release: early hang-up storm through a real D (16 requests): "
-                "P and D idle after", f"{waited:.1f} s", f"TTL {RELEASE_TTL} s; {got}")
-        assert time.monotonic() - t0 < RELEASE_TTL, got  # before any prefill could expire
-        assert got["expired"] == 0 and got["rejected"] == 0, got
+        elapsed = time.monotonic() - t0
         prompt = prompts[5]  # and the pair still serves correctly
         choice = complete(url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
         assert signature(choice) == env["reference"][prompt]
+        # (read after that request: a worker's counters reach /metrics with an engine step)
+        got = _delta(_p_counters(p), before)
+        got_d = _delta(_p_counters(d), before_d)
+        figures("e2e faults", "release: early hang-up storm through a real D (16 requests): "
+                "P and D idle after", f"{waited:.1f} s", f"TTL {RELEASE_TTL} s; P {got}; "
+                f"D failed {got_d['failed']:g} abandoned {got_d['abandoned']:g}")
+        assert elapsed < RELEASE_TTL, got  # before any prefill could expire
+        assert got["expired"] == 0 and got["rejected"] == 0, got
+        # hang-ups are not transfer failures on either side (counted as abandoned)
+        assert got["failed"] == 0 and got_d["failed"] == 0, (got, got_d)
 
 
 # -- TP 2 --------------------------------------------------------------------------------------

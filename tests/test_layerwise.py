@@ -403,6 +403,7 @@ from kv_push.common.connector_scheduler import (  # noqa: E402
     PrefillAborted, PrefillReady, PushScheduler, StepPlan,
 )
 from kv_push.common.connector_worker import PushConnectorWorker  # noqa: E402
+from kv_push.common.producer import PREFILL_ABORTED  # noqa: E402
 
 from test_early_prefill import BS, P_PARAMS, look, new_req, output, req  # noqa: E402
 
@@ -509,9 +510,11 @@ def test_the_worker_half_reports_a_streaming_steps_layers_and_its_end():
 def test_a_held_abort_names_its_request_to_the_producer():
     cw, stub = connector_worker()
     cw.handle(StepPlan(prefill_aborts=[PrefillAborted("p1", "t1", "dg", 1, held=True),
-                                       PrefillAborted("p2", "t2", "dg2", 1)]))
-    keys = [dict(c[3:]).get("key") for c in stub.calls if c[0] == "prefill_failed"]
-    assert keys == ["p1", None]
+                                       PrefillAborted("p2", "t2", "dg2", 1, aborted=True)]))
+    calls = [c for c in stub.calls if c[0] == "prefill_failed"]
+    assert [dict(c[3:]).get("key") for c in calls] == ["p1", None]
+    # vLLM aborted p2 (its client or the router ended it): the producer counts it abandoned
+    assert [c[2] for c in calls] == ["prefill request ended without output", PREFILL_ABORTED]
 
 
 def test_a_full_pool_evicts_complete_unclaimed_streams_for_a_new_one():

@@ -424,6 +424,9 @@ def test_invalid_register(changes):
     CancelAck(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, chunks_done=-1),
     TransferFailed(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, reason="",
                    chunks_done=-1),
+    # an abandonment reason becomes a metric label: only known ones
+    TransferFailed(transfer_id="t", reg_id="r", attempt=0, engine_id="p", tp_rank=0, reason="",
+                   abandoned="client_bored"),
     WriteDone(transfer_id="t", reg_id="", attempt=0, engine_id="p", tp_rank=0, num_bytes=1),
     Cancel(transfer_id="t", reg_id="r", prompt_digest="", attempt=-1, engine_id="d", tp_rank=0,
            reason=""),
@@ -554,6 +557,9 @@ def oracle_invalid(msg) -> bool:
             or len(msg.reg_id) > M.MAX_ID_CHARS):
         return True
     if isinstance(msg, (Register, Cancel)) and len(msg.prompt_digest) > M.MAX_ID_CHARS:
+        return True
+    if isinstance(msg, TransferFailed) and msg.abandoned not in ("", "prefill_aborted",
+                                                                  "router_release"):
         return True
     if isinstance(msg, (CancelAck, TransferFailed)):
         return msg.chunks_done < 0

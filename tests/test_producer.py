@@ -9,6 +9,8 @@ they introduce themselves through ``accept_hello`` (what the side channel calls)
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kv_push.common import geometry as G
@@ -25,7 +27,7 @@ from kv_push.common.messages import (
     geometry_digest,
 )
 from kv_push.common import producer as producer_module
-from kv_push.common.producer import Producer
+from kv_push.common.producer import PREFILL_ABORTED, Producer
 
 from fakes import FakeClock, Node, RawEnd, Wire, role_config
 
@@ -133,9 +135,9 @@ def ack(tid="t1", attempt=0, chunks_done=0, reg="d-1"):
                      chunks_done=chunks_done)
 
 
-def fail(reason, tid="t1", attempt=0, chunks_done=0, reg="d-1"):
+def fail(reason, tid="t1", attempt=0, chunks_done=0, reg="d-1", abandoned=""):
     return TransferFailed(transfer_id=tid, reg_id=reg, attempt=attempt, engine_id="P",
-                          tp_rank=0, reason=reason, chunks_done=chunks_done)
+                          tp_rank=0, reason=reason, chunks_done=chunks_done, abandoned=abandoned)
 
 
 def failed(b: Bench, rank: int = 0) -> list[TransferFailed]:
@@ -501,6 +503,23 @@ def test_prefill_failed_tells_registered_decoders_and_releases():
     assert b.got() == [fail(attempt=1, reason="the producer already released this transfer")]
 
 
+def test_an_aborted_prefill_tells_its_decoders_as_abandoned_not_failed(caplog):
+    """vLLM aborted P's request (its client hung up, the router closed P's leg): decoders hear
+    at once, as for a failure, but it is counted and logged as abandoned."""
+    b = Bench()
+    b.register()
+    with caplog.at_level(logging.INFO, logger="kv_push"):
+        b.prefill_failed(reason=PREFILL_ABORTED)
+    assert b.got() == [fail(reason=PREFILL_ABORTED, abandoned="prefill_aborted")]
+    assert b.p.count("transfers_abandoned", label="prefill_aborted") == 1
+    assert b.p.count("transfers_failed") == 0 and b.idle()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    b.prefill_failed(tid="t2", reason="engine error")  # any other reason stays a failure
+    b.register(tid="t2", reg="d-2")
+    assert b.got() == [fail(tid="t2", reg="d-2", reason="prefill failed: engine error")]
+    assert b.p.count("transfers_failed") == 1
+
+
 def test_a_failed_prefill_fails_the_next_registration_of_its_prompt():
     b = Bench()
     b.prefill_failed(digest="A")
@@ -625,9 +644,12 @@ def test_a_registration_after_a_release_fails_at_once_and_is_never_written():
     b.prefill()
     b.release()
     b.register()
-    assert failed(b) == [fail(RELEASED)]  # at once, not at the TTL
+    assert failed(b) == [fail(RELEASED, abandoned="router_release")]  # at once, not at the TTL
     assert b.writes() == []
     assert b.p.count("stale", label="registration_after_router_release") == 1
+    # the exchange ended: no failure of the transfer path
+    assert b.p.count("transfers_abandoned", label="router_release") == 1
+    assert b.p.count("transfers_failed") == 0
     b.register(rank=0, attempt=0)  # a copy: already answered
     assert b.got() == [] and b.writes() == [] and b.idle()
     b.register(tid="t2", reg="d-2")  # other transfers are not affected
@@ -676,7 +698,7 @@ def test_a_registration_after_a_release_of_a_prefill_still_running_fails_at_once
     b = Bench()
     b.release()
     b.register()
-    assert failed(b) == [fail(RELEASED)]
+    assert failed(b) == [fail(RELEASED, abandoned="router_release")]
     b.prefill()
     assert b.released == ["req-1"] and b.writes() == [] and b.idle()
     assert b.p.count("released") == 1
