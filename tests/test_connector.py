@@ -571,6 +571,24 @@ def test_scheduler_half_counts_bad_params_into_vllm_stats_and_metrics():
     assert value("vllm:kv_push_rejected_total", {"engine": "0", "reason": ""}) is None
 
 
+def test_the_connector_tells_an_aborted_producer_request_from_a_failed_one():
+    """vLLM's FINISHED_ABORTED (the HTTP request ended) makes an abandonment; an error or a
+    request ignored by the engine stays a failure."""
+    from kv_push.common.connector import KVPushConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.request import RequestStatus
+
+    c = KVPushConnector(vllm_config({}, role="kv_producer"), KVConnectorRole.SCHEDULER, None)
+    got = {}
+    for status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+                   RequestStatus.FINISHED_IGNORED):
+        r = req(status.name, dict(P_PARAMS, transfer_id=status.name))
+        r.status = status
+        assert c.request_finished(r, [1, 2]) == (False, None)
+        got.update({a.req_id: a.aborted for a in c._scheduler.take_plan().prefill_aborts})
+    assert got == {"FINISHED_ABORTED": True, "FINISHED_ERROR": False, "FINISHED_IGNORED": False}
+
+
 def test_connector_rejects_bad_extra_config_at_start_up():
     from kv_push.common.connector import KVPushConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
