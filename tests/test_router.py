@@ -1502,6 +1502,8 @@ def test_pool_leaves_out_a_backend_that_cannot_be_connected_to():
     for _ in range(10):
         d0.unreachable(now[0])
     assert d0.down_until - now[0] == 30.0  # capped
+    for _ in range(2000):  # a backend down for hours: 2 ** 1024 would overflow a float
+        assert d0.unreachable(now[0]) == 30.0
     assert d0.reachable() and d0.connect_failures == 0 and d0.up(now[0])
     assert not d0.reachable()  # was not failing
     # preferences: up and not avoided, then up, then the one due back first; never excluded

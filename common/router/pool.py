@@ -57,7 +57,9 @@ class Backend:
     def unreachable(self, now: float) -> float:
         """A connection to it failed: down for the next back-off (returned, in seconds)."""
         self.connect_failures += 1
-        wait = min(EJECT_BASE_S * 2 ** (self.connect_failures - 1), EJECT_MAX_S)
+        # (the exponent capped: 2.0 ** 1024 overflows a float, and a backend down for hours
+        # fails that often; the back-off reaches EJECT_MAX_S long before)
+        wait = min(EJECT_BASE_S * 2.0 ** min(self.connect_failures - 1, 64), EJECT_MAX_S)
         self.down_until = now + wait
         return wait
 
