@@ -1413,6 +1413,18 @@ async def test_tokenize_goes_to_a_decode_server_and_a_dead_one_is_502():
     async with cluster(dead_decode=True) as c:
         r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"})
         assert r.status_code == 502 and "cannot connect" in r.json()["error"]["message"]
+    # the first decode server is down: the next one answers (a walkthrough's kill -9 of the
+    # first D made /v1/models and /tokenize 502 for good while completions still worked)
+    async with cluster(dead_decodes=1) as c:
+        for _ in range(2):
+            r = await c.client.post("/tokenize", json={"model": "m", "prompt": "abc"})
+            assert r.status_code == 200 and r.json()["server"] == "d0"
+            assert (await c.client.get("/v1/models")).status_code == 200
+        # once a leg found it down, the others go to a decode server that is up first
+        assert (await c.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        dead = c.router.decode_pool.backends[0]
+        assert not dead.up(time.monotonic())
+        assert (await c.client.get("/v1/models")).status_code == 200
 
 
 # -- configuration -----------------------------------------------------------------------------

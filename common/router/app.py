@@ -1362,22 +1362,33 @@ class Router:
         return JSONResponse(info, status_code=503 if unusable else 200)
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Send ``request`` (method, body, ``Authorization``) to ``path`` on the first decode
-        server and return its answer as is: for what every server answers alike
-        (``/v1/models``, ``/version``, ``/tokenize``, ``/detokenize``: one model and tokenizer
-        behind the router). A connection failure or time-out is the usual OpenAI-style 502 /
-        504."""
+        """Send ``request`` (method, body, ``Authorization``) to ``path`` on a decode server
+        and return its answer as is: for what every server answers alike (``/v1/models``,
+        ``/version``, ``/tokenize``, ``/detokenize``: one model and tokenizer behind the
+        router). The decode servers are tried in their order, those up (not left out of
+        selection after a failed connection) first; one that cannot be connected to passes
+        the request to the next. When none can, or one times out, the usual OpenAI-style 502
+        / 504."""
         assert self.client is not None
-        url = self.decode_pool.backends[0].url
         headers = {k: v for k, v in request.headers.items()
                    if k in ("authorization", "content-type")}
-        try:
-            r = await self.client.request(request.method, url + path,
-                                          content=await request.body(), headers=headers)
-        except httpx.HTTPError as exc:
-            return self.failure(None, "decode", url, exc).to_response(None)
-        return Response(r.content, status_code=r.status_code,
-                        media_type=r.headers.get("content-type"))
+        body, now = await request.body(), time.monotonic()
+        backends = self.decode_pool.backends
+        order = [b for b in backends if b.up(now)] + [b for b in backends if not b.up(now)]
+        err: UpstreamError | None = None
+        for b in order:
+            try:
+                r = await self.client.request(request.method, b.url + path, content=body,
+                                              headers=headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                err = self.failure(None, "decode", b.url, exc)  # the next one may answer
+                continue
+            except httpx.HTTPError as exc:
+                return self.failure(None, "decode", b.url, exc).to_response(None)
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+        assert err is not None
+        return err.to_response(None)
 
 
 class RouterApp:
