@@ -136,6 +136,7 @@ async def test_usage_and_max_tokens_1_as_a_single_server_streams():
     ({"prompt": ["a", "b"]}, "prompt_list"),
     ({"min_tokens": 2}, "min_tokens"),
     ({"guided_regex": "a+"}, "structured"),
+    ({"response_format": {"type": "json_object"}}, "structured"),  # completions take it too
     ({"return_token_ids": True}, "token_ids"),
 ])
 async def test_requests_that_do_not_qualify_take_the_decode_stream(change, reason):
@@ -205,6 +206,9 @@ def test_eligibility_rules():
     assert ineligible(with_(CHAT, tools=[{"type": "function"}]), chat=True) == "tools"
     assert ineligible(with_(CHAT, response_format={"type": "json_object"}),
                       chat=True) == "structured"
+    assert ineligible(with_(COMPLETION, response_format={"type": "json_schema"}),
+                      chat=False) == "structured"
+    assert ineligible(with_(COMPLETION, response_format={"type": "text"}), chat=False) is None
 
 
 async def test_off_the_default_never_takes_it_from_p():

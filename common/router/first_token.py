@@ -74,9 +74,6 @@ def ineligible(body: dict, chat: bool) -> str | None:
         if body.get("tools") or body.get("tool_choice") not in (None, "none") \
                 or body.get("functions"):
             return "tools"
-        rf = body.get("response_format")
-        if rf not in (None, {"type": "text"}):
-            return "structured"
         if body.get("continue_final_message") or body.get("echo"):
             return "echo"
     else:
@@ -100,6 +97,9 @@ def ineligible(body: dict, chat: bool) -> str | None:
         # P's one token is the whole answer: its end would have to be the client's
         return "one_token"
     if any(body.get(k) is not None for k in _STRUCTURED):
+        return "structured"
+    # (vLLM takes response_format on completions too: json_object, json_schema)
+    if body.get("response_format") not in (None, {"type": "text"}):
         return "structured"
     return None
 
