@@ -422,6 +422,20 @@ async def test_an_exchange_without_decode_output_releases_its_prefill(how: str):
         assert sc.rejects == []
 
 
+@pytest.mark.parametrize("how", ["decode_error_event", "decode_error_event_chat"])
+async def test_a_decode_stream_that_fails_before_its_output_is_counted_and_logged(
+        how: str, caplog: pytest.LogCaptureFixture):
+    """As a non-streamed D failure is (a walkthrough saw a streamed one only in D's log)."""
+    async with cluster() as c:
+        with caplog.at_level(logging.WARNING, logger="kv_push.router"):
+            tid = await _ended_without_output(c, how)
+        m = await c.metrics()
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "error_event"), ("leg", "decode")))] == 1
+        (line,) = [r.getMessage() for r in caplog.records if "error_event" in r.getMessage()]
+        assert tid in line and "first event is an error" in line
+
+
 @pytest.mark.parametrize("endpoint,body", [("/v1/completions", COMPLETION),
                                            ("/v1/chat/completions", CHAT)])
 async def test_a_stream_that_opens_with_a_4xx_error_event_is_the_clients_refusal(endpoint, body):

@@ -953,6 +953,13 @@ class Router:
                     await self._explain_decode_failure(ex)
                     if kind == "done":
                         raise self.failure(ex, "decode", url, EmptyStream())
+                    # D failed the request after its 200: passed on as sent, and counted and
+                    # logged as a failed non-streamed leg is (failure())
+                    self.metrics.upstream_errors.labels(leg="decode", kind="error_event").inc()
+                    logger.warning("tid=%s decode leg failed (error_event): decode backend %s: "
+                                   "its stream's first event is an error: %s", ex.tid, url,
+                                   without_addresses(first.decode("utf-8", "replace").strip()
+                                                     [-300:]))
             else:
                 first = await resp.aread()
                 output, refused = True, False
