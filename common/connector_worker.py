@@ -46,8 +46,12 @@ from . import timing
 from .connector_scheduler import RELEASE_KEY_PREFIX, PrefillReady, StepPlan
 from .kv_tensors import describe_kv_caches
 from .metrics import Counters, LogLimiter
-from .producer import PREFILL_ABORTED
 from .worker import PushWorker
+
+#: what a producer's decoders are told when vLLM aborted its request: the client hung up, or
+#: the router closed P's leg (its exchange ended: the client gone, D failed, P's leg timed
+#: out); also an engine shut down or paused with abort (counted as abandoned, not failed)
+PREFILL_ABORTED = "prefill request aborted by vLLM (its HTTP request or the engine ended it)"
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +151,7 @@ class PushConnectorWorker:
         for a in plan.prefill_aborts:
             w.prefill_failed(a.transfer_id, PREFILL_ABORTED if a.aborted else
                              "prefill request ended without output",
+                             abandoned="prefill_aborted" if a.aborted else "",
                              prompt_digest=a.prompt_digest, capacity=a.capacity,
                              key=a.req_id if a.held else None)
         self._streaming = bool(plan.streaming) and w.streams

@@ -529,7 +529,7 @@ class Decoder:
             if want.state == "registered" and told.writes and not told.arrived:
                 why = msg.reason if isinstance(msg, TransferFailed) else "cancelled"
                 self._fail(want, f"producer rank {msg.tp_rank}: {why}",
-                           abandoned=getattr(msg, "abandoned", ""))
+                           abandoned=msg.abandoned if isinstance(msg, TransferFailed) else "")
         self._check(want)
 
     def _on_staged_chunk(self, want: _Want, told: _Told, msg: WriteDone, first: bool) -> None:

@@ -40,6 +40,11 @@ Protocol versions (bump on any change to the structs below; ``COMPAT_HASH`` chan
        the producer's ``Challenge`` in ``reply_to``: the transfer ids whose exchange ended
        without decode output) and ``ReleaseAck`` (producer -> router: accepted, and every
        producer rank's side-channel port, so the router tells each rank).
+  5 -- ``TransferFailed.abandoned``: the transfer was not made because its request ended first
+       (vLLM aborted P's request; the router released the transfer), no failure; one of
+       ``ABANDONED`` (a literal type: another value does not decode). Only a default was added,
+       but the compatibility hash changes with it, so P and D of before and after refuse each
+       other at the handshake: upgrade both together.
 """
 
 from __future__ import annotations
@@ -48,13 +53,13 @@ import hashlib
 import hmac
 import pickle
 import re
-from typing import NamedTuple, Union
+from typing import Literal, NamedTuple, Union
 
 import msgspec
 
 from .geometry import KVGeometry
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class StagingRegion(msgspec.Struct, frozen=True, kw_only=True):
@@ -228,8 +233,10 @@ class CancelAck(msgspec.Struct, tag="cancel_ack", frozen=True, kw_only=True):
     chunks_done: int = 0
 
 
-#: values of ``TransferFailed.abandoned`` other than "" (they become metric labels)
+#: values of ``TransferFailed.abandoned`` other than "" (they become metric labels); keep in step
+#: with ``Abandoned``, whose literal values enter the compatibility hash
 ABANDONED = ("prefill_aborted", "router_release")
+Abandoned = Literal["", "prefill_aborted", "router_release"]
 
 
 class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
@@ -248,8 +255,8 @@ class TransferFailed(msgspec.Struct, tag="failed", frozen=True, kw_only=True):
     #: not a failure but an abandonment: ``prefill_aborted`` (P's request was aborted: its
     #: client hung up or the router closed P's leg) or ``router_release`` (the router ended the
     #: exchange); empty for a failure. Counted as ``transfers_abandoned{reason}`` on both sides
-    #: instead of ``transfers_failed``; any other value is refused (``_check_sane``)
-    abandoned: str = ""
+    #: instead of ``transfers_failed``; any other value does not decode (``malformed``)
+    abandoned: Abandoned = ""
 
 
 class Heartbeat(msgspec.Struct, tag="hb", frozen=True, kw_only=True):
@@ -449,8 +456,6 @@ def _check_sane(msg: Message) -> None:
     elif isinstance(msg, (CancelAck, TransferFailed)):
         if msg.chunks_done < 0:
             raise MessageRejected("invalid", f"negative chunks_done {msg.chunks_done}")
-        if isinstance(msg, TransferFailed) and msg.abandoned and msg.abandoned not in ABANDONED:
-            raise MessageRejected("invalid", f"TransferFailed: abandoned {msg.abandoned[:40]!r}")
     elif isinstance(msg, (Hello, Welcome)):
         try:
             msg.geometry.validate()

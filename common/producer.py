@@ -184,19 +184,9 @@ class _Answered:
     when: float
 
 
-#: a prefill's failure when vLLM aborted its request (``prefill_failed``'s reason, from the
-#: connector): the decoders it would have served are told, counted as abandoned, not failed
-PREFILL_ABORTED = ("prefill request aborted (its HTTP request ended: a client hang-up, or the "
-                   "router closed P's leg)")
-
-
-def _abandoned(failure: str) -> str:
-    """``TransferFailed.abandoned`` for a pairing with a prefill that ended with ``failure``."""
-    return "prefill_aborted" if failure == PREFILL_ABORTED else ""
-
-
-def _prefill_failure(failure: str) -> str:
-    return failure if _abandoned(failure) else f"prefill failed: {failure}"
+def _prefill_failure(failure: str, abandoned: str) -> str:
+    """What a decoder is told of a pairing with a prefill that ended with ``failure``."""
+    return failure if abandoned else f"prefill failed: {failure}"
 
 
 def _wants_nothing(claim: Claim) -> bool:
@@ -378,7 +368,8 @@ class Producer:
         stream = self.streams.get(key)
         return stream is not None and not stream.complete
 
-    def _complete_stream(self, key: str, ready: Any, failure: str = "") -> None:
+    def _complete_stream(self, key: str, ready: Any, failure: str = "",
+                         abandoned: str = "") -> None:
         """A stream's prefill is complete (``prefill_done``), or ended without output
         (``failure``): pack what is left, start (or fail) the pairings deferred to now."""
         stream = self.streams[key]
@@ -389,14 +380,14 @@ class Producer:
         self.staged.note_ready(key, ready)
         src = self.sources[key]
         if failure:
-            stream.failure = failure
+            stream.failure, stream.abandoned = failure, abandoned
             spare = self.rdv.retire(key)
         for pairing in self.deferred.pop(key, []):
             if self._current(pairing.registration):
                 self._start(pairing)
         if failure and spare:  # decoder requests that come later hear it at once
             self.prefill_failed(src.transfer_id, failure, prompt_digest=src.prompt_digest,
-                                capacity=spare)
+                                capacity=spare, abandoned=abandoned)
         if src.transfer_id in self.released_tids:
             self._close(src.rdv_key)
             return
@@ -409,7 +400,7 @@ class Producer:
         return claim is not None and claim.regs.get(reg.tp_rank) is reg
 
     def prefill_failed(self, transfer_id: str, reason: str, *, prompt_digest: str = "",
-                       capacity: int = 1, key: str | None = None) -> None:
+                       capacity: int = 1, key: str | None = None, abandoned: str = "") -> None:
         """A prefill of ``transfer_id``'s prompt will never finish (aborted, errored): the
         decoder requests it would have served are told now, not at their time-out. It takes
         their place in the rendezvous like a source; decoder requests already served by another
@@ -417,15 +408,20 @@ class Producer:
 
         ``key``: the engine request, when the engine holds its blocks for us (a streamed
         prefill): its stream ends (what was written stays written) and the blocks are released
-        once nothing reads them."""
+        once nothing reads them.
+
+        ``abandoned`` (a value of ``messages.ABANDONED``): the prefill ended because its request
+        did (vLLM aborted it), not by a failure: decoders are told as much."""
         if key is not None:
             if self._in_progress(key):
-                self._complete_stream(key, None, failure=reason or "aborted")
+                self._complete_stream(key, None, failure=reason or "aborted",
+                                      abandoned=abandoned)
                 return
             if key not in self.sources and key not in self._ending:
                 self.on_released(key)  # held for a stream that never started: nothing reads it
         source = Source(f"\x00failed-{next(self._failures)}", transfer_id, (), 0, prompt_digest,
-                        max(1, int(capacity)), failure=reason or "aborted")
+                        max(1, int(capacity)), failure=reason or "aborted",
+                        abandoned=abandoned)
         for pairing in self.rdv.add_source(source):
             self._start(pairing)
         if transfer_id in self.released_tids:
@@ -612,8 +608,8 @@ class Producer:
             self._resolve(reg)
             return
         if src.failure:
-            self._tell_failed(reg, _prefill_failure(src.failure), 0,
-                              abandoned=_abandoned(src.failure))
+            self._tell_failed(reg, _prefill_failure(src.failure, src.abandoned), 0,
+                              abandoned=src.abandoned)
             self._resolve(reg)
             return
         if peer is None:
@@ -627,8 +623,8 @@ class Producer:
         jkey = (reg.request, reg.tp_rank, reg.attempt)
         stream = self.streams.get(src.key)
         if stream is not None and stream.failure:
-            self._tell_failed(reg, _prefill_failure(stream.failure), 0,
-                              abandoned=_abandoned(stream.failure))
+            self._tell_failed(reg, _prefill_failure(stream.failure, stream.abandoned), 0,
+                              abandoned=stream.abandoned)
             self._resolve(reg)
             return
         send = None

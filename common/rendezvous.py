@@ -60,6 +60,7 @@ class Source:
     prompt_digest: str = ""
     capacity: int = 1  # decoder requests it may serve
     failure: str = ""  # non-empty: the prefill failed; every pairing with it fails with this
+    abandoned: str = ""  # with ``failure``: it ended because its request did (TransferFailed)
 
     @property
     def rdv_key(self) -> RdvKey:

@@ -256,6 +256,7 @@ class Stream:
     error: str = ""  # a pack failed: nothing more is packed or written from it
     complete: bool = False  # its prefill is complete (``prefill_done``) or ended (``failure``)
     failure: str = ""  # the prefill ended without output: pairings not yet written fail
+    abandoned: str = ""  # with ``failure``: it ended because its request did (TransferFailed)
 
 
 @dataclass(eq=False)

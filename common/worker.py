@@ -253,12 +253,14 @@ class PushWorker:
             capacity=capacity, ready=ready))
 
     def prefill_failed(self, transfer_id: str, reason: str = "aborted", *,
-                       prompt_digest: str = "", capacity: int = 1, key: str | None = None) -> None:
+                       prompt_digest: str = "", capacity: int = 1, key: str | None = None,
+                       abandoned: str = "") -> None:
         """``key``: the engine request, when the engine holds its blocks until this worker
-        reports it released (a streamed prefill)."""
+        reports it released (a streamed prefill). ``abandoned``: see ``Producer``."""
         producer = self._need(self.producer, "prefill_failed")
         self.thread.submit(lambda: producer.prefill_failed(
-            transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity, key=key))
+            transfer_id, reason, prompt_digest=prompt_digest, capacity=capacity, key=key,
+            abandoned=abandoned))
 
     # -- producer: layer-wise streaming (``producer.py``) ---------------------------------------
     @property

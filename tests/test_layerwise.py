@@ -12,6 +12,8 @@ streamed prefill fails what it had not written and frees its blocks.
 
 from __future__ import annotations
 
+import pytest
+
 from kv_push.common.decoder import Outcome
 
 from test_staged import World, count
@@ -61,9 +63,10 @@ def whole_step(w: World, layers=range(4)):
     w.settle()
 
 
-def failed(w: World, key=KEY, tid=TID, reason="aborted"):
+def failed(w: World, key=KEY, tid=TID, reason="aborted", abandoned=""):
     for node, prod in zip(w.p_nodes, w.producers):
-        node.thread.submit(lambda prod=prod: prod.prefill_failed(tid, reason, key=key))
+        node.thread.submit(lambda prod=prod: prod.prefill_failed(tid, reason, key=key,
+                                                                 abandoned=abandoned))
 
 
 def received(w: World, rank=0):
@@ -248,10 +251,12 @@ def test_no_room_for_the_stream_takes_the_post_prefill_path():
     assert w.outcomes() == [Outcome("d-1", "received")] and w.released == [KEY] and w.idle()
 
 
-def test_an_aborted_streamed_prefill_keeps_what_was_written_and_fails_the_rest():
+@pytest.mark.parametrize("abandoned", ["", "prefill_aborted"])
+def test_an_aborted_streamed_prefill_keeps_what_was_written_and_fails_the_rest(abandoned):
     """Three decoder requests share the prefill (fanout 3): one was written from the stream;
     another (a prefix: deferred) fails when the prefill ends aborted; the third, registering
-    later, fails at once; the blocks go back to the engine once no pack runs."""
+    later, fails at once; the blocks go back to the engine once no pack runs. Both count as
+    failed, or (vLLM aborted P's request) as abandoned, on both sides."""
     w = World()
     w.expect(key="d-1")
     w.expect(key="d-2", blocks=(5,), first_token=4)
@@ -264,7 +269,7 @@ def test_an_aborted_streamed_prefill_keeps_what_was_written_and_fails_the_rest()
         p.done = True  # chunk 0's layers
     w.settle()
     assert len(w.writes()) == 1
-    failed(w)
+    failed(w, abandoned=abandoned)
     w.settle()
     outcomes = {o.key: o for o in w.outcomes()}
     assert outcomes["d-2"].kind == "failed" and "aborted" in outcomes["d-2"].reason
@@ -278,6 +283,9 @@ def test_an_aborted_streamed_prefill_keeps_what_was_written_and_fails_the_rest()
     w.settle()
     (o,) = w.outcomes()
     assert o.key == "d-3" and o.kind == "failed"
+    for node in (w.p_nodes[0], w.d_nodes[0]):  # d-2 (deferred, the stream's) and d-3 (spare)
+        assert count(node, "transfers_abandoned", abandoned or None) == (2 if abandoned else 0)
+        assert count(node, "transfers_failed") == (0 if abandoned else 2)
     w.clock.advance(200)
     w.settle()
     assert w.idle() and w.p_pool().used_bytes == 0
@@ -403,7 +411,7 @@ from kv_push.common.connector_scheduler import (  # noqa: E402
     PrefillAborted, PrefillReady, PushScheduler, StepPlan,
 )
 from kv_push.common.connector_worker import PushConnectorWorker  # noqa: E402
-from kv_push.common.producer import PREFILL_ABORTED  # noqa: E402
+from kv_push.common.connector_worker import PREFILL_ABORTED  # noqa: E402
 
 from test_early_prefill import BS, P_PARAMS, look, new_req, output, req  # noqa: E402
 
@@ -515,6 +523,7 @@ def test_a_held_abort_names_its_request_to_the_producer():
     assert [dict(c[3:]).get("key") for c in calls] == ["p1", None]
     # vLLM aborted p2 (its client or the router ended it): the producer counts it abandoned
     assert [c[2] for c in calls] == ["prefill request ended without output", PREFILL_ABORTED]
+    assert [dict(c[3:]).get("abandoned") for c in calls] == ["", "prefill_aborted"]
 
 
 def test_a_full_pool_evicts_complete_unclaimed_streams_for_a_new_one():

@@ -27,7 +27,8 @@ from kv_push.common.messages import (
     geometry_digest,
 )
 from kv_push.common import producer as producer_module
-from kv_push.common.producer import PREFILL_ABORTED, Producer
+from kv_push.common.connector_worker import PREFILL_ABORTED
+from kv_push.common.producer import Producer
 
 from fakes import FakeClock, Node, RawEnd, Wire, role_config
 
@@ -104,9 +105,9 @@ class Bench:
         self.p.step()
 
     def prefill_failed(self, tid: str = "t1", reason: str = "aborted", digest: str = "",
-                       capacity: int = 1):
+                       capacity: int = 1, abandoned: str = ""):
         self.p.thread.submit(lambda: self.producer.prefill_failed(
-            tid, reason, prompt_digest=digest, capacity=capacity))
+            tid, reason, prompt_digest=digest, capacity=capacity, abandoned=abandoned))
         self.p.step()
 
     def release(self, *tids: str) -> None:
@@ -509,14 +510,15 @@ def test_an_aborted_prefill_tells_its_decoders_as_abandoned_not_failed(caplog):
     b = Bench()
     b.register()
     with caplog.at_level(logging.INFO, logger="kv_push"):
-        b.prefill_failed(reason=PREFILL_ABORTED)
+        b.prefill_failed(reason=PREFILL_ABORTED, abandoned="prefill_aborted")
     assert b.got() == [fail(reason=PREFILL_ABORTED, abandoned="prefill_aborted")]
     assert b.p.count("transfers_abandoned", label="prefill_aborted") == 1
     assert b.p.count("transfers_failed") == 0 and b.idle()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    b.prefill_failed(tid="t2", reason="engine error")  # any other reason stays a failure
+    assert any("not made: " + PREFILL_ABORTED in r.getMessage() for r in caplog.records)
+    b.prefill_failed(tid="t2", reason=PREFILL_ABORTED)  # not said abandoned: a failure
     b.register(tid="t2", reg="d-2")
-    assert b.got() == [fail(tid="t2", reg="d-2", reason="prefill failed: engine error")]
+    assert b.got() == [fail(tid="t2", reg="d-2", reason="prefill failed: " + PREFILL_ABORTED)]
     assert b.p.count("transfers_failed") == 1
 
 
