@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 follow_vllm_logging()  # in each vLLM process that loads the connector
 
 
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _step_safe(vllm_config: Any) -> str:
     """Why a prefill may not be handed on while its step runs ("" when it may): a request
     whose prefill a step completes must end in that step's output, with nothing scheduled in
@@ -142,6 +146,8 @@ class KVPushConnector(*compat.connector_bases()):  # type: ignore[misc]
                                             secret=pc.secret,
                                             random_suffix=compat.request_id_random_suffix(),
                                             upstream_reply=reply,
+                                            side_channel=_hostport(pc.side_channel_host,
+                                                                   pc.side_channel_port),
                                             early_prefill_done=is_producer and _early_prefill_done(
                                                 pc, vllm_config),
                                             layerwise=is_producer and _layerwise(pc, vllm_config))

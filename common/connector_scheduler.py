@@ -341,7 +341,10 @@ class PushScheduler:
                  counters: Counters | None = None, secret: bytes = b"",
                  random_suffix: bool = False, upstream_reply: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.time, early_prefill_done: bool = False,
-                 layerwise: bool = False):
+                 layerwise: bool = False, side_channel: str = ""):
+        """``side_channel``: (producer) ``HOST:PORT`` its rank 0 listens on, named in its
+        answers so that a router can check its ``kv=`` for this server."""
+        self._side_channel = side_channel
         self.is_producer = is_producer
         self.is_decoder = is_decoder
         self.block_size = block_size
@@ -573,6 +576,8 @@ class PushScheduler:
     def _reply(self, params: TransferParams, rid: str) -> dict[str, Any]:
         """What a producer answers (``kv_transfer_params`` of its output) for a held prefill."""
         reply: dict[str, Any] = {"transfer_id": params.transfer_id}
+        if self._side_channel:
+            reply["side_channel"] = self._side_channel
         if params.upstream:
             reply.update(self._upstream_reply, remote_request_id=rid)
         return reply

@@ -61,6 +61,7 @@ class Behavior:
     version: str | None = "0.32.0+fake"  # what GET /version answers (None: 404)
     model_root: str = "/models/fake"  # the ``root`` of its one model in GET /v1/models
     max_model_len: int | None = 1024  # that model's ``max_model_len`` there (None: left out)
+    side_channel: str | None = None  # the prefill role names it in its answers (as kv-push's)
 
 
 def _stream_error(code: int) -> dict:
@@ -242,7 +243,10 @@ class FakeVLLM:
             return None
         prefix = "chatcmpl" if chat else "cmpl"
         if "transfer_id" in rec.kv:  # our form: P holds the prefill under the router's id
-            return {"transfer_id": rec.kv["transfer_id"]}
+            reply = {"transfer_id": rec.kv["transfer_id"]}
+            if self.behavior.side_channel:
+                reply["side_channel"] = self.behavior.side_channel
+            return reply
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [[1, 2, 3]], "remote_engine_id": self.engine_id,
                 "remote_request_id": f"{prefix}-{rec.request_id}-0-abcdef12",

@@ -587,6 +587,11 @@ def test_the_connector_tells_an_aborted_producer_request_from_a_failed_one():
         assert c.request_finished(r, [1, 2]) == (False, None)
         got.update({a.req_id: a.aborted for a in c._scheduler.take_plan().prefill_aborts})
     assert got == {"FINISHED_ABORTED": True, "FINISHED_ERROR": False, "FINISHED_IGNORED": False}
+    # a held prefill's answer names P's side channel, for the router's check of its kv=
+    r = req("ok", dict(P_PARAMS, transfer_id="ok"), computed=100)
+    r.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert c.request_finished(r, [1, 2]) == (True, {"transfer_id": "ok",
+                                                     "side_channel": "127.0.0.1:5600"})
 
 
 def test_connector_rejects_bad_extra_config_at_start_up():

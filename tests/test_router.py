@@ -602,6 +602,50 @@ async def test_a_prefill_side_channel_down_or_hung_is_counted_not_fatal():
         assert status == 200
 
 
+async def test_a_kv_that_is_not_the_side_channel_p_names_is_said_and_explains_d_failures(
+        caplog: pytest.LogCaptureFixture):
+    """A walkthrough crossed two P's kv=: D registered each P's transfers at the other, every
+    request failed after D's transfer_timeout_s with a bare 500, and /health?probe=1 was 200
+    (both side channels answer). P's answers name its own side channel: the router compares."""
+    async with cluster() as c:
+        (p,), (d,) = c.prefills, c.decodes
+        p.behavior.side_channel = f"127.0.0.1:{KV_BASE_PORT + 7}"  # another P's
+        with caplog.at_level(logging.WARNING, logger="kv_push.router"):
+            status, _, _ = await post(c, "/v1/completions", COMPLETION)
+            assert status == 200  # (this fake D serves it all the same)
+            await post(c, "/v1/completions", COMPLETION)
+        said = [r.getMessage() for r in caplog.records if "kv_mismatch" in r.getMessage()
+                or "its side channel is at port" in r.getMessage()]
+        assert len(said) == 1 and f"port {KV_BASE_PORT + 7}" in said[0]  # once a minute
+        m = await c.metrics()
+        assert m[("kv_push_router_kv_mismatch_total",
+                  (("backend", c.router.prefill_pool.backends[0].url),))] == 2
+        h = await c.client.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "degraded"
+        assert "port" in h.json()["prefill"][0]["kv_mismatch"]
+        # a D failure through that P names the cause
+        d.behavior.fail_status = 500
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.status_code == 502 and r.json()["error"]["type"] == "kv_side_channel_mismatch"
+        # P names the kv= given here: cleared
+        d.behavior.fail_status, p.behavior.side_channel = None, f"0.0.0.0:{KV_BASE_PORT}"
+        assert (await post(c, "/v1/completions", COMPLETION))[0] == 200
+        h = await c.client.get("/health")
+        assert h.json()["status"] == "ok" and "kv_mismatch" not in h.json()["prefill"][0]
+
+
+def test_kv_mismatch_compares_ports_and_addresses_only():
+    from kv_push.common.router.config import kv_mismatch
+
+    assert kv_mismatch("127.0.0.1", 5600, "127.0.0.1:5600") is None
+    assert kv_mismatch("10.0.0.1", 5600, "0.0.0.0:5600") is None  # a wildcard: not compared
+    assert kv_mismatch("p-host", 5600, "10.0.0.1:5600") is None  # a name: not compared
+    assert kv_mismatch("::1", 5600, "[::1]:5600") is None
+    assert "port 5601" in kv_mismatch("p-host", 5600, "10.0.0.1:5601")
+    assert "10.0.0.2:5600" in kv_mismatch("10.0.0.1", 5600, "10.0.0.2:5600")
+    assert kv_mismatch("10.0.0.1", 5600, "garbage") is None  # not judged
+
+
 @pytest.mark.parametrize("endpoint,body", [("/v1/completions", COMPLETION),
                                            ("/v1/chat/completions", dict(CHAT, stream=True))])
 async def test_a_decode_failure_with_ps_side_channel_unreachable_says_so(endpoint, body):
@@ -1485,6 +1529,23 @@ def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
     assert parse_prefill_spec("http://p:1").kv is None  # fine for pull mode
     with pytest.raises(ValueError, match="needs kv=HOST:PORT"):
         RouterConfig(prefill=(parse_prefill_spec("http://p:1"),), decode=("http://d:2",))
+
+
+def test_one_side_channel_for_two_prefill_servers_is_refused(caplog):
+    """A walkthrough's copy-paste: both P given kv=...:18701. D registered one P's transfers at
+    the other, which never paired: a bare 500 after transfer_timeout_s."""
+    same = (parse_prefill_spec("http://p:1,kv=h:5600"), parse_prefill_spec("http://q:1,kv=h:5600"))
+    with pytest.raises(ValueError, match=r"kv= side channel given for more than one --prefill: "
+                                         r"h:5600 \(http://p:1, http://q:1\)"):
+        RouterConfig(prefill=same, decode=("http://d:2",))
+    RouterConfig(prefill=same, decode=("http://d:2",), mode="pull")  # pull does not dial kv=
+    RouterConfig(prefill=(same[0], parse_prefill_spec("http://q:1,kv=h:5601")),
+                 decode=("http://d:2",))
+    # upstream-push's fields are ignored in push mode: said at start-up
+    with caplog.at_level(logging.WARNING, logger="kv_push.router"):
+        RouterConfig(prefill=(parse_prefill_spec("http://p:1,kv=h:1,engine_id=e"),),
+                     decode=("http://d:2",))
+    assert any("ignored in --mode push" in r.getMessage() for r in caplog.records)
 
 
 # -- backend pool ------------------------------------------------------------------------------

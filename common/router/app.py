@@ -53,7 +53,7 @@ from kv_push.common.metrics import LogLimiter
 from kv_push.common.router import limits
 from kv_push.common.router.builds import Build, BuildBook, read_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
-from kv_push.common.router.config import RouterConfig, parse_args
+from kv_push.common.router.config import RouterConfig, kv_mismatch, parse_args
 from kv_push.common.router.first_token import (
     DecodeFilter, FirstTokenMismatch, PrefillAnswerHead, first_token_events, ineligible,
 )
@@ -136,6 +136,10 @@ class Metrics:
         self.prefill_not_held = Counter(
             p + "prefill_not_held", "push: P answers that did not hold the prefill for a KV "
             "transfer (no kv_transfer_params.transfer_id): D computed the prompt itself",
+            ["backend"], registry=r)
+        self.kv_mismatch = Counter(
+            p + "kv_mismatch", "push: P answers naming a side channel other than the kv= "
+            "configured for that P (D registers its transfers elsewhere: they never pair)",
             ["backend"], registry=r)
 
 
@@ -1035,6 +1039,15 @@ class Router:
                                     "incompatible_peers")
             if attempt < 2:
                 await asyncio.sleep(0.2)
+        if ex.p.backend.kv_mismatch:  # D was sent to another side channel than P's own
+            self.metrics.upstream_errors.labels(leg="decode", kind="kv_mismatch").inc()
+            logger.warning("tid=%s decode leg failed; prefill %s: %s", ex.tid, spec.url,
+                           ex.p.backend.kv_mismatch)
+            raise UpstreamError(
+                "decode", "kv_mismatch", 502, "the decode server got no KV, and the router's "
+                "kv= for this prefill server is not the side channel that server names in its "
+                "answers (kv= crossed with another prefill server's? see the router's log and "
+                "/health)", "kv_side_channel_mismatch")
         # no refusal: can P's side channel be reached at all, at the kv= D was sent to? (a
         # wrong kv= port, P down: D's own answer is only "Internal server error")
         assert spec.kv_host is not None and spec.kv_port is not None
@@ -1075,6 +1088,7 @@ class Router:
         params = data.get("kv_transfer_params")
         if isinstance(params, dict) and params.get("transfer_id") == ex.tid:
             backend.not_held = None
+            self._check_kv(backend, params.get("side_channel"))
             return
         backend.not_held = ("its answers do not hold prefills for a KV transfer (no "
                             "kv_transfer_params.transfer_id): decode servers compute prompts "
@@ -1086,6 +1100,29 @@ class Router:
                        "producer (KVPushConnector, kv_role kv_producer)? Are --prefill and "
                        "--decode swapped? Its vllm:kv_push_rejected counter names the reason",
                        backend.url, ex.tid)
+
+    def _check_kv(self, backend: Backend, named: Any) -> None:
+        """(push) P's answer names its side channel (rank 0's ``HOST:PORT``, since 2026-12-06):
+        a port other than ``kv=``'s, or another IP address, means D is sent elsewhere (two
+        ``--prefill`` with crossed ``kv=``): D registers this P's transfers at another P or at
+        nothing, and every request through this P fails after D's ``transfer_timeout_s``.
+        Said (at most once a minute), counted and shown by ``/health``; a D failure through
+        this P then names it. A host name against an address is not compared, nor a wildcard;
+        behind a port mapping the ports differ by design: the check then warns wrongly, and
+        requests are served as before."""
+        spec = backend.spec
+        if not isinstance(named, str) or spec is None or spec.kv_host is None:
+            return
+        problem = kv_mismatch(spec.kv_host, spec.kv_port, named)
+        if problem is None:
+            backend.kv_mismatch = None
+            return
+        backend.kv_mismatch = problem
+        self.metrics.kv_mismatch.labels(backend=backend.url).inc()
+        self._log.warn(f"kv_mismatch {backend.url}", "prefill server %s: %s; D registers its "
+                       "transfers there and they never pair (requests fail after D's "
+                       "transfer_timeout_s). Check this --prefill's kv= (crossed with another "
+                       "P's?); behind a port mapping or address translation, ignore this", backend.url, problem)
 
     def _learn_peer(self, url: str, params: Any) -> None:
         """Remember (or refresh) an upstream-push P's engine id and sizes from its response."""
@@ -1340,7 +1377,7 @@ class Router:
         role_down = any(all(not b.up(now) for b in pool.backends)
                         for pool in (self.prefill_pool, self.decode_pool))
         unusable = any(problems) or len(incompatible) == pairs or role_down
-        not_held = any(b.not_held for b in self.prefill_pool.backends)
+        not_held = any(b.not_held or b.kv_mismatch for b in self.prefill_pool.backends)
         kv_flagged = [b for b in self.prefill_pool.backends if b.kv_unreachable]
         # every P's side channel failed the router's dial after a request D failed: nothing can
         # be transferred (a wrong kv= on every --prefill, P's side channel down)
@@ -1361,6 +1398,8 @@ class Router:
                 entry["not_held"] = b.not_held
             if b.kv_unreachable:
                 entry["kv_unreachable"] = b.kv_unreachable
+            if b.kv_mismatch:
+                entry["kv_mismatch"] = b.kv_mismatch
             if self._read_builds:  # (first token from P) what it runs, as last read
                 entry["build"] = self.builds.shown(b.url)
             if probe:

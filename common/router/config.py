@@ -17,6 +17,8 @@ Prefill backends are given as ``URL,kv=HOST:PORT[,engine_id=ID][,tp=N][,pp=N]``:
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -49,6 +51,26 @@ def _parse_hostport(value: str, what: str) -> tuple[str, int]:
     if not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ValueError(f"{what}: port must be an integer in 1..65535, got {port_s!r}")
     return host, int(port_s)
+
+
+def kv_mismatch(kv_host: str, kv_port: int | None, named: str) -> str | None:
+    """Why ``named`` (``HOST:PORT`` a P's answer gives as its side channel) is not the
+    ``kv=`` configured for it, or None when it may be: the ports differ, or both hosts are IP
+    addresses and differ (a wildcard, or a host name, is not compared). A ``named`` that does
+    not parse is not judged."""
+    try:
+        host, port = _parse_hostport(named, "side channel")
+    except ValueError:
+        return None
+    if port != kv_port:
+        return f"its side channel is at port {port} (its answer says), kv= here is {kv_port}"
+    try:
+        mine, theirs = ipaddress.ip_address(kv_host), ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not theirs.is_unspecified and mine != theirs:
+        return f"its side channel is at {named} (its answer says), kv= here is {kv_host}:{kv_port}"
+    return None
 
 
 def _positive_int(value: str, what: str) -> int:
@@ -139,6 +161,22 @@ class RouterConfig:
         dupes = sorted({u for u in urls if urls.count(u) > 1})
         if dupes:
             raise ValueError(f"backend URL given more than once: {', '.join(dupes)}")
+        kvs = [p.kv for p in self.prefill if p.kv is not None]
+        dupes = sorted({k for k in kvs if kvs.count(k) > 1})
+        if dupes and self.mode != "pull":
+            # one side channel is one P: D would register a transfer of the other P's there,
+            # which never pairs (D waits transfer_timeout_s, then a bare 500)
+            raise ValueError("kv= side channel given for more than one --prefill: "
+                             + ", ".join(f"{k} ({', '.join(p.url for p in self.prefill if p.kv == k)})"
+                                         for k in dupes))
+        if self.mode == "push":
+            extra = [p.url for p in self.prefill
+                     if p.engine_id is not None or p.tp_size != 1 or p.pp_size != 1]
+            if extra:
+                logging.getLogger("kv_push.router").warning(
+                    "--prefill %s: engine_id, tp and pp are for --mode upstream-push; ignored in "
+                    "--mode push (P's identity and parallelism come from its side channel)",
+                    ", ".join(extra))
         if not self.timeout > 0 or not self.connect_timeout > 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
         if not self.release_timeout > 0:

@@ -45,6 +45,9 @@ class Backend:
         #: (push, prefill) why its side channel (kv=) did not answer the router's dial after a
         #: request D failed (None: it answered since, or no such failure)
         self.kv_unreachable: str | None = None
+        #: (push, prefill) why its newest answer named a side channel other than its kv=
+        #: (None: it did not, or named none)
+        self.kv_mismatch: str | None = None
         gauge.set(0)
 
     def add(self, delta: int) -> None:
