@@ -1211,6 +1211,13 @@ async def test_the_clients_x_request_id_names_the_request_as_one_server_would(mo
             tids = {rec.kv["transfer_id"] for rec in p.records}
             assert len(tids) == 2 and all(len(t) == 32 for t in tids)
         await eventually(lambda: all_idle(c), "router to be idle")
+        if mode != "upstream-push":  # a non-ASCII id reaches the servers as the client sent it
+            # (a walkthrough saw UTF-8 ü named "cmpl-ÃÂ¼-unicode", a single server "cmpl-Ã¼-...")
+            r = await c.client.post("/v1/completions", json=COMPLETION,
+                                    headers={"X-Request-Id": "ü-unicode".encode()})
+            as_server_reads = "ü-unicode".encode().decode("latin-1")
+            assert r.json()["id"] == f"cmpl-{as_server_reads}"
+            assert {rec.request_id for rec in d.records[2:]} == {as_server_reads}
 
 
 # -- incompatible P/D pairs (D refused P at the KV handshake) -----------------------------------

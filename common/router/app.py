@@ -320,6 +320,17 @@ def _upstream_message(resp: LegResponse) -> tuple[str, dict | None]:
     return message, data if openai else None
 
 
+def _as_received(header: str) -> str:
+    """A header value as the legs' client (aiohttp, which encodes UTF-8) must be given it to
+    send the bytes the client sent: the server (Starlette) decoded them as Latin-1, so a UTF-8
+    ``ü`` came in as ``Ã¼``, and vLLM, reading the leg's bytes as Latin-1 too, then names the
+    response as a single server would."""
+    try:
+        return header.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return header
+
+
 async def _wait_disconnect(receive: Any) -> None:
     """Return once the ASGI server reports ``http.disconnect`` (after the request body)."""
     while (await receive())["type"] != "http.disconnect":
@@ -425,7 +436,7 @@ class Exchange:
         client_id = request.headers.get("x-request-id", "")
         self.request_id = client_id if 0 < len(client_id) <= MAX_REQUEST_ID else self.tid
         self.leg_request_id = self.tid if router.config.mode == "upstream-push" \
-            else self.request_id
+            else _as_received(self.request_id)
         if self.request_id != self.tid:
             logger.debug("tid=%s: the client's X-Request-Id is %r", self.tid, client_id)
         self.t0 = time.perf_counter()
