@@ -38,6 +38,7 @@ follow_vllm_logging()  # in each vLLM process that loads the connector
 
 
 def _hostport(host: str, port: int) -> str:
+    host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

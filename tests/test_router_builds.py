@@ -140,6 +140,11 @@ def test_a_backend_that_cannot_be_connected_to_backs_off_as_an_unreadable_one():
     assert book.begin("u") is None
     clock.now += builds.RETRY_S
     assert book.begin("u") is not None
+    for _ in range(2000):  # a backend down for hours: 2 ** 1024 would overflow a float
+        book.forget("u")
+    assert book.begin("u") is None  # (raised OverflowError in every eligible request)
+    clock.now += builds.MAX_AGE_S + 0.1
+    assert book.begin("u") is not None  # the wait stays capped
 
 
 def test_a_reading_begun_before_a_forget_or_a_forced_reading_is_thrown_away():

@@ -324,7 +324,8 @@ def _as_received(header: str) -> str:
     """A header value as the legs' client (aiohttp, which encodes UTF-8) must be given it to
     send the bytes the client sent: the server (Starlette) decoded them as Latin-1, so a UTF-8
     ``ü`` came in as ``Ã¼``, and vLLM, reading the leg's bytes as Latin-1 too, then names the
-    response as a single server would."""
+    response as a single server would. Only bytes that are valid UTF-8 are kept so; others
+    (a raw Latin-1 ``ü``) reach the legs UTF-8-encoded, as before."""
     try:
         return header.encode("latin-1").decode("utf-8")
     except UnicodeError:
@@ -600,6 +601,12 @@ class Router:
         # push mode: signs both legs' kv_transfer_params with KV_PUSH_SECRET (or the file named
         # by KV_PUSH_SECRET_FILE); P and D with the secret act on signed params only
         self.signer = TransferParamsSigner.from_env()
+        extra = [p.url for p in config.prefill
+                 if p.engine_id is not None or p.tp_size != 1 or p.pp_size != 1]
+        if config.mode == "push" and extra:
+            logger.warning("--prefill %s: engine_id, tp and pp are for --mode upstream-push; "
+                           "ignored in --mode push (P's identity and parallelism come from its "
+                           "side channel)", ", ".join(extra))
         if config.mode == "push" and not self.signer.enabled:
             logger.warning("no KV_PUSH_SECRET: kv_transfer_params go out unsigned (P and D with "
                            "a secret will serve such requests without KV transfer)")
@@ -752,6 +759,9 @@ class Router:
             ex.outcome = "rejected" if d.refused else "decode_error"
         elif self.config.mode == "push" and not ex.alone and d.status_code < 400:
             ex.p.backend.kv_unreachable = None
+            # D's output through this P: its kv= works, whatever P's answers name (a port
+            # mapping, address translation): no more kv_mismatch for it
+            ex.p.backend.kv_proven, ex.p.backend.kv_mismatch = True, None
             p_url, d_url, spec = ex.p.backend.url, ex.d.backend.url, ex.p.backend.spec
             if self.compat.worked(p_url, d_url) and spec is not None and spec.kv is not None:
                 self._rebase(p_url, spec.kv, d_url)
@@ -1050,15 +1060,6 @@ class Router:
                                     "incompatible_peers")
             if attempt < 2:
                 await asyncio.sleep(0.2)
-        if ex.p.backend.kv_mismatch:  # D was sent to another side channel than P's own
-            self.metrics.upstream_errors.labels(leg="decode", kind="kv_mismatch").inc()
-            logger.warning("tid=%s decode leg failed; prefill %s: %s", ex.tid, spec.url,
-                           ex.p.backend.kv_mismatch)
-            raise UpstreamError(
-                "decode", "kv_mismatch", 502, "the decode server got no KV, and the router's "
-                "kv= for this prefill server is not the side channel that server names in its "
-                "answers (kv= crossed with another prefill server's? see the router's log and "
-                "/health)", "kv_side_channel_mismatch")
         # no refusal: can P's side channel be reached at all, at the kv= D was sent to? (a
         # wrong kv= port, P down: D's own answer is only "Internal server error")
         assert spec.kv_host is not None and spec.kv_port is not None
@@ -1075,6 +1076,15 @@ class Router:
                 "the decode server could not load the prompt's KV, and the prefill server's KV "
                 "side channel, at the address this router gives decoders for it (kv=), does not "
                 f"answer: {without_addresses(cause)}", "kv_side_channel_unreachable")
+        if ex.p.backend.kv_mismatch:  # kv= answers, but P names another side channel
+            self.metrics.upstream_errors.labels(leg="decode", kind="kv_mismatch").inc()
+            logger.warning("tid=%s decode leg failed; prefill %s: %s (kv= crossed with another "
+                           "P's?)", ex.tid, spec.url, ex.p.backend.kv_mismatch)
+            raise UpstreamError(
+                "decode", "kv_mismatch", 502, "the decode server failed the request, and the "
+                "router's kv= for this prefill server is not the side channel that server "
+                "names in its answers (kv= crossed with another prefill server's? see the "
+                "router's log and /health)", "kv_side_channel_mismatch")
 
     def _note_rejected_by_prefill_alone(self, ex: Exchange, err: UpstreamError) -> None:
         """P rejected a request (4xx) that D had not rejected within the grace: the two do not
@@ -1122,7 +1132,9 @@ class Router:
         behind a port mapping the ports differ by design: the check then warns wrongly, and
         requests are served as before."""
         spec = backend.spec
-        if not isinstance(named, str) or spec is None or spec.kv_host is None:
+        if not isinstance(named, str) or spec is None or spec.kv_host is None \
+                or backend.kv_proven:
+            backend.kv_mismatch = None
             return
         problem = kv_mismatch(spec.kv_host, spec.kv_port, named)
         if problem is None:
@@ -1439,9 +1451,11 @@ class Router:
                                               headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 err = self.failure(None, "decode", b.url, exc)  # the next one may answer
+                b.unreachable(time.monotonic())  # left out, as a leg's failed connection does
                 continue
             except httpx.HTTPError as exc:
                 return self.failure(None, "decode", b.url, exc).to_response(None)
+            b.reachable()
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
         assert err is not None

@@ -146,7 +146,7 @@ class BuildBook:
         if e.read_at is None:
             return True
         wait = MAX_AGE_S if e.build is not None else min(
-            RETRY_S * 2 ** max(0, e.failures - 1), MAX_AGE_S)
+            RETRY_S * 2.0 ** min(max(0, e.failures - 1), 64), MAX_AGE_S)  # (as pool.py's)
         return self.clock() - e.read_at > wait
 
     def begin(self, url: str, force: bool = False) -> int | None:

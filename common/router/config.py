@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -65,12 +64,19 @@ def kv_mismatch(kv_host: str, kv_port: int | None, named: str) -> str | None:
     if port != kv_port:
         return f"its side channel is at port {port} (its answer says), kv= here is {kv_port}"
     try:
-        mine, theirs = ipaddress.ip_address(kv_host), ipaddress.ip_address(host)
+        mine, theirs = (_plain(ipaddress.ip_address(h)) for h in (kv_host, host))
     except ValueError:
         return None
-    if not theirs.is_unspecified and mine != theirs:
+    if not (theirs.is_unspecified or mine.is_unspecified) and mine != theirs:
         return f"its side channel is at {named} (its answer says), kv= here is {kv_host}:{kv_port}"
     return None
+
+
+def _plain(addr: ipaddress.IPv4Address | ipaddress.IPv6Address
+           ) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IPv4-mapped IPv6 address as the IPv4 address it is."""
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return mapped if mapped is not None else addr
 
 
 def _positive_int(value: str, what: str) -> int:
@@ -169,14 +175,7 @@ class RouterConfig:
             raise ValueError("kv= side channel given for more than one --prefill: "
                              + ", ".join(f"{k} ({', '.join(p.url for p in self.prefill if p.kv == k)})"
                                          for k in dupes))
-        if self.mode == "push":
-            extra = [p.url for p in self.prefill
-                     if p.engine_id is not None or p.tp_size != 1 or p.pp_size != 1]
-            if extra:
-                logging.getLogger("kv_push.router").warning(
-                    "--prefill %s: engine_id, tp and pp are for --mode upstream-push; ignored in "
-                    "--mode push (P's identity and parallelism come from its side channel)",
-                    ", ".join(extra))
+
         if not self.timeout > 0 or not self.connect_timeout > 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
         if not self.release_timeout > 0:

@@ -48,6 +48,9 @@ class Backend:
         #: (push, prefill) why its newest answer named a side channel other than its kv=
         #: (None: it did not, or named none)
         self.kv_mismatch: str | None = None
+        #: (push, prefill) a decode server produced output through it: its kv= works (no
+        #: kv_mismatch is flagged for it from then on)
+        self.kv_proven = False
         gauge.set(0)
 
     def add(self, delta: int) -> None:
