@@ -1129,8 +1129,8 @@ class Router:
         nothing, and every request through this P fails after D's ``transfer_timeout_s``.
         Said (at most once a minute), counted and shown by ``/health``; a D failure through
         this P then names it. A host name against an address is not compared, nor a wildcard;
-        behind a port mapping the ports differ by design: the check then warns wrongly, and
-        requests are served as before."""
+        behind a port mapping the ports differ by design: the check then warns wrongly until a
+        D produced output through this P (``kv_proven``), and requests are served as before."""
         spec = backend.spec
         if not isinstance(named, str) or spec is None or spec.kv_host is None \
                 or backend.kv_proven:
@@ -1145,7 +1145,8 @@ class Router:
         self._log.warn(f"kv_mismatch {backend.url}", "prefill server %s: %s; D registers its "
                        "transfers there and they never pair (requests fail after D's "
                        "transfer_timeout_s). Check this --prefill's kv= (crossed with another "
-                       "P's?); behind a port mapping or address translation, ignore this", backend.url, problem)
+                       "P's?); behind a port mapping or address translation, ignore this",
+                       backend.url, problem)
 
     def _learn_peer(self, url: str, params: Any) -> None:
         """Remember (or refresh) an upstream-push P's engine id and sizes from its response."""

@@ -172,10 +172,9 @@ class RouterConfig:
         if dupes and self.mode != "pull":
             # one side channel is one P: D would register a transfer of the other P's there,
             # which never pairs (D waits transfer_timeout_s, then a bare 500)
+            users = {k: ", ".join(p.url for p in self.prefill if p.kv == k) for k in dupes}
             raise ValueError("kv= side channel given for more than one --prefill: "
-                             + ", ".join(f"{k} ({', '.join(p.url for p in self.prefill if p.kv == k)})"
-                                         for k in dupes))
-
+                             + ", ".join(f"{k} ({users[k]})" for k in dupes))
         if not self.timeout > 0 or not self.connect_timeout > 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
         if not self.release_timeout > 0:
