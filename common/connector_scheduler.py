@@ -553,7 +553,7 @@ class PushScheduler:
             logger.error("kv_push: streamed request %s ends without blocks %s it was streamed "
                          "from; its transfer is failed", rid,
                          sorted(set(streamed.block_ids) - set(block_ids)))
-            finished_ok = aborted = False
+            finished_ok = False
         if streamed is not None and not (finished_ok and block_ids):
             # its step ran and packs may read its blocks: hold them until the workers say
             # nothing does (they report it in finished_sending); decoders hear it failed

@@ -847,19 +847,27 @@ class Router:
             resp = await self.legs.post(backend.url + endpoint, json=body, headers=headers,
                                         allow_redirects=False, proxy=backend.proxy)
         except CONNECT_ERRORS:
-            self.builds.forget(backend.url)  # it may come back as another build
-            wait = backend.unreachable(time.monotonic())
-            self.metrics.ejections.labels(role=backend.role).inc()
-            # once a minute while it lasts (the rest at DEBUG): a backend that is down is
-            # tried by every request while no other of its role is up
-            self._log.warn(f"unreachable {backend.url}", "%s %s cannot be connected to (%d in "
-                           "a row): left out of selection for %.0fs", backend.role,
-                           backend.url, backend.connect_failures, wait)
+            self._not_connected(backend)
             raise
+        self._connected(backend)
+        return LegResponse(resp)
+
+    def _not_connected(self, backend: Backend) -> None:
+        """A connection to ``backend`` could not be made: out of selection for a while."""
+        self.builds.forget(backend.url)  # it may come back as another build
+        wait = backend.unreachable(time.monotonic())
+        self.metrics.ejections.labels(role=backend.role).inc()
+        # once a minute while it lasts (the rest at DEBUG): a backend that is down is
+        # tried by every request while no other of its role is up
+        self._log.warn(f"unreachable {backend.url}", "%s %s cannot be connected to (%d in "
+                       "a row): left out of selection for %.0fs", backend.role,
+                       backend.url, backend.connect_failures, wait)
+
+    def _connected(self, backend: Backend) -> None:
+        """A connection to ``backend`` was made: back in selection, its build read again."""
         if backend.reachable():
             logger.info("%s %s can be connected to again", backend.role, backend.url)
             self.refresh_build(backend, force=True)  # it may have been restarted with another
-        return LegResponse(resp)
 
     async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
         """POST the P leg; return its JSON (streamed: ``{"sse": its events}`` as soon as they
@@ -1452,11 +1460,11 @@ class Router:
                                               headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 err = self.failure(None, "decode", b.url, exc)  # the next one may answer
-                b.unreachable(time.monotonic())  # left out, as a leg's failed connection does
+                self._not_connected(b)
                 continue
             except httpx.HTTPError as exc:
                 return self.failure(None, "decode", b.url, exc).to_response(None)
-            b.reachable()
+            self._connected(b)
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type"))
         assert err is not None

@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterable
 
 import aiohttp
 
+from kv_push.common.router.pool import backoff_s
+
 logger = logging.getLogger(__name__)
 
 #: seconds a backend's build reading is trusted without a new one being started
@@ -145,8 +147,7 @@ class BuildBook:
     def _stale(self, e: _Entry) -> bool:
         if e.read_at is None:
             return True
-        wait = MAX_AGE_S if e.build is not None else min(
-            RETRY_S * 2.0 ** min(max(0, e.failures - 1), 64), MAX_AGE_S)  # (as pool.py's)
+        wait = MAX_AGE_S if e.build is not None else backoff_s(RETRY_S, e.failures, MAX_AGE_S)
         return self.clock() - e.read_at > wait
 
     def begin(self, url: str, force: bool = False) -> int | None:

@@ -27,6 +27,13 @@ EJECT_BASE_S = 1.0
 EJECT_MAX_S = 30.0
 
 
+def backoff_s(base: float, failures: int, cap: float) -> float:
+    """``base`` doubled per failure in a row after the first, at most ``cap``. (The exponent is
+    capped too: ``2.0 ** 1024`` overflows a float, and a backend down for hours fails that
+    often.)"""
+    return min(base * 2.0 ** min(max(0, failures - 1), 64), cap)
+
+
 class Backend:
     """One configured upstream server, its count of in-flight legs, and whether it is down.
 
@@ -63,9 +70,7 @@ class Backend:
     def unreachable(self, now: float) -> float:
         """A connection to it failed: down for the next back-off (returned, in seconds)."""
         self.connect_failures += 1
-        # (the exponent capped: 2.0 ** 1024 overflows a float, and a backend down for hours
-        # fails that often; the back-off reaches EJECT_MAX_S long before)
-        wait = min(EJECT_BASE_S * 2.0 ** min(self.connect_failures - 1, 64), EJECT_MAX_S)
+        wait = backoff_s(EJECT_BASE_S, self.connect_failures, EJECT_MAX_S)
         self.down_until = now + wait
         return wait
 
