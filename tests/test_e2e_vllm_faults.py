@@ -20,7 +20,9 @@
   below each prompt's length), D does not: outputs identical to a single server, D computes no
   prompt token, and a seeded sampling request (which kills vLLM 0.32's CPU engine when it
   prefills the prompt in chunks) is served twice alike with P alive: the router's P leg carries
-  no seed.
+  no seed. A client sending both legs itself hangs up P's while P's engine is mid-prefill and D
+  waits: both count ``transfers_abandoned{prefill_aborted}`` (not a failure) and D's request
+  ends at once.
 * ``TestTensorParallel2`` -- P and D both at TP 2 (vLLM's CPU build runs TP over gloo): outputs
   identical to a single server at TP 2. Needs 4 cores: skipped on fewer (``KV_PUSH_E2E_TP2=1``
   runs it anyway). On this 2-core box it fits in memory (4.8 + 4.8 GiB resident for P and D)
@@ -41,9 +43,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -686,7 +690,7 @@ class TestChunkedProducer:
             up(servers)
             servers.append(r := front(env, "router-chunked", p, kv, d))
             complete(r.url, prompts[2])  # warm: first steps and the handshake
-            yield {"p": p, "d": d, "r": r}
+            yield {"p": p, "d": d, "r": r, "kv": kv}
         finally:
             stop(servers)
 
@@ -713,6 +717,70 @@ class TestChunkedProducer:
         assert texts[0] == texts[1]  # the seed reached D, which samples every token
         assert httpx.get(f"{p.url}/health", timeout=10).status_code == 200
         assert "CPU Generator does not use offset" not in p.log_text()
+
+    def test_a_hang_up_on_p_mid_prefill_is_abandoned_not_failed(self, chunked, prompts, env,
+                                                                  figures):
+        """A client that sends both legs itself (our form, no router) hangs up P's leg while
+        P's engine has it in a chunked prefill and D waits for its KV. vLLM aborts P's request
+        mid-prefill (FINISHED_ABORTED): P tells D at once, and both count it as
+        ``transfers_abandoned{prefill_aborted}``, not as a failed transfer; D's request ends
+        long before its ``transfer_timeout_s`` (60 s), and both servers end idle.
+
+        To make the abort land mid-prefill every time, P's engine process is stopped
+        (SIGSTOP, 1 s: under the heartbeat's 7.5 s) while P's API process takes the leg and the
+        hang-up: resumed, the engine finds the request and its abort queued, and the prompt
+        (900 tokens) needs 8 of P's 128-token steps."""
+        p, d, kv, url = chunked["p"], chunked["d"], chunked["kv"], chunked["r"].url
+        engines = [pid for pid in p.pids() if "EngineCore" in title_of(pid)]
+        assert len(engines) == 1, [(pid, title_of(pid)) for pid in p.pids()]
+        before, before_d = _p_counters(p), _p_counters(d)
+        tid = uuid.uuid4().hex
+        ids = random.Random(tid).choices(range(20, 290), k=900)
+        leg = {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0}
+        d_leg = dict(leg, kv_transfer_params={"transfer_id": tid, "do_remote_prefill": True,
+                                              "remote_host": "127.0.0.1", "remote_port": kv})
+        p_leg = dict(leg, max_tokens=1, stream=True,
+                     kv_transfer_params={"transfer_id": tid, "do_remote_decode": True})
+
+        async def legs() -> tuple[httpx.Response, float]:
+            async with httpx.AsyncClient(timeout=REQUEST_BOUND_S) as client:
+                t0 = time.monotonic()
+                d_task = asyncio.ensure_future(client.post(f"{d.url}/v1/completions",
+                                                           json=d_leg))
+                await asyncio.sleep(1.0)  # D schedules it and registers with P
+                assert not d_task.done(), d_task.result().text
+                for pid in engines:
+                    os.kill(pid, signal.SIGSTOP)
+                try:
+                    p_task = asyncio.ensure_future(client.post(f"{p.url}/v1/completions",
+                                                               json=p_leg))
+                    await asyncio.sleep(0.5)  # P's API process hands the request on
+                    p_task.cancel()  # the hang-up
+                    await asyncio.gather(p_task, return_exceptions=True)
+                    await asyncio.sleep(0.5)  # ... and its abort
+                finally:
+                    for pid in engines:
+                        os.kill(pid, signal.SIGCONT)
+                t_resumed = time.monotonic()
+                resp = await d_task
+                return resp, time.monotonic() - t_resumed
+
+        resp, d_after = asyncio.run(legs())
+        waited = assert_idle([p, d], within=IDLE_BOUND)
+        # the pair still serves; and its steps bring the workers' counters to /metrics
+        prompt = prompts[4]
+        assert signature(complete(url, prompt)["choices"][0]) == env["reference"][prompt]
+        got, got_d = _delta(_p_counters(p), before), _delta(_p_counters(d), before_d)
+        aborted = metric(p.url, "vllm:kv_push_transfers_abandoned_total",
+                         reason="prefill_aborted")
+        figures("e2e faults", "a hang-up on P's leg mid-prefill while D waits: D's request "
+                "ended after P's engine resumed", f"{d_after:.2f} s",
+                f"D answered {resp.status_code}; idle {waited:.1f} s later; P {got}; "
+                f"D {got_d}")
+        assert d_after < 20, d_after  # told at once, not at D's transfer_timeout_s (60 s)
+        assert got["abandoned"] == 1 and aborted >= 1, got
+        assert got_d["abandoned"] == 1, got_d
+        assert got["failed"] == 0 and got_d["failed"] == 0, (got, got_d)
 
 
 class TestTensorParallel2:
