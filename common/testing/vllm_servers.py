@@ -71,7 +71,7 @@ class Server:
         # group, and on a box with fewer cores than busy processes (a vLLM worker busy-polls its
         # queue for 1 s after each step) a server's woken API process then waited 50-350 ms
         # for a CPU held by another server's group: TTFT outliers that were the box's, not ours
-        # (README, "TTFT breakdown").
+        # (docs/ttft-breakdown.md).
         group = ({"process_group": 0} if sys.version_info >= (3, 11)
                  else {"preexec_fn": os.setpgrp})
         self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
