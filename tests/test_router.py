@@ -1662,22 +1662,49 @@ async def test_health_is_503_while_every_decode_server_is_left_out(caplog):
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
-async def test_a_dead_prefill_server_is_left_out_after_its_first_failure():
-    """A P leg that cannot connect fails its request (D was already told that P's side
-    channel), but the next requests go to the other P."""
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_dead_prefill_server_costs_no_request_while_another_is_up(stream: bool, caplog):
+    """One of two P's is dead (nothing listens). A request that picks it cannot connect its P
+    leg: D's leg, which would name that P's side channel and wait for a prefill nobody makes,
+    is not sent yet (it goes out once P's connection is made), so the request moves to the
+    other P -- no 502 (until 2026-12-06 the first request, and one more at each end of the dead
+    P's ejection, failed). The dead P is left out of selection and never gets a Release."""
     async with cluster(dead_prefills=1) as c:
-        first = [await post(c, "/v1/completions", COMPLETION) for _ in range(2)]
-        assert sorted(s for s, _, _ in first) == [200, 502]  # round robin: each P once
-        later = await asyncio.gather(*(post(c, "/v1/completions", COMPLETION)
-                                       for _ in range(8)))
+        body = dict(COMPLETION, stream=stream)
+        with caplog.at_level("WARNING", logger="kv_push.router"):
+            first = [await post(c, "/v1/completions", body) for _ in range(2)]
+        assert [s for s, _, _ in first] == [200, 200]  # round robin: the dead P picked once
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("prefill leg: cannot connect to" in m for m in said) == 1, said
+        later = await asyncio.gather(*(post(c, "/v1/completions", body) for _ in range(8)))
         assert [s for s, _, _ in later] == [200] * 8
-        assert len(c.prefills[0].records) == 9
+        (p,), (d,) = c.prefills, c.decodes
+        assert len(p.records) == 10 and len(d.records) == 10
+        # every D leg names the live P's side channel, none the dead one's
+        assert {r.body["kv_transfer_params"]["remote_port"] for r in d.records} == {p.kv_port}
         await eventually(lambda: all_idle(c), "router to be idle")
         await eventually(lambda: not c.router.releaser.busy(), "releaser idle")
-        # the dead P never had the failed request: no Release goes to its side channel (a
-        # walkthrough saw one fail against it, counted and logged as a failure)
         m = await c.metrics()
+        assert m[("kv_push_router_leg_retries_total", (("leg", "prefill"),))] == 1
+        assert m[("kv_push_router_upstream_errors_total",
+                  (("kind", "connect"), ("leg", "prefill")))] == 1
+        assert m[("kv_push_router_backend_ejections_total", (("role", "prefill"),))] == 1
+        # the dead P never had the request: no Release goes to its side channel (a
+        # walkthrough saw one fail against it, counted and logged as a failure)
         assert not [k for k in m if k[0] == "kv_push_router_releases_total" and m[k]], m
+
+
+async def test_with_every_prefill_server_dead_decode_gets_no_leg():
+    """No P can be connected to: the client's 502 comes at once, and D never gets a leg that
+    would wait for a prefill nobody makes (before 2026-12-06 D got it, and failed it only when
+    its own dial to P's side channel failed)."""
+    async with cluster(dead_prefills=1, n_p=0) as c:
+        for stream in (False, True):
+            r = await c.client.post("/v1/completions", json=dict(COMPLETION, stream=stream))
+            assert r.status_code == 502, r.text
+            assert "cannot connect to the prefill server" in r.text, r.text
+        assert c.decodes[0].records == []
+        await eventually(lambda: all_idle(c), "router to be idle")
 
 
 async def test_requests_are_steered_away_from_a_pair_known_to_be_incompatible(monkeypatch):

@@ -119,8 +119,9 @@ class Metrics:
             p + "backend_ejections", "Backends left out of selection for a while because a "
             "connection to them could not be made", ["role"], registry=r)
         self.leg_retries = Counter(
-            p + "leg_retries", "D legs sent again to another decode server after the first "
-            "could not be connected to (nothing had been sent)", ["leg"], registry=r)
+            p + "leg_retries", "Legs sent again to another server of their role after the "
+            "first could not be connected to (nothing had been sent), by leg (decode; prefill: "
+            "before D's leg went out)", ["leg"], registry=r)
         self.release_errors = Counter(
             p + "release_errors", "Releases that did not reach a P rank, by kind (connect, "
             "timeout, refused, bad_reply, internal)", ["kind"], registry=r)
@@ -330,6 +331,21 @@ def _as_received(header: str) -> str:
         return header.encode("latin-1").decode("utf-8")
     except UnicodeError:
         return header
+
+
+async def _on_headers_sent(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    """aiohttp trace hook: a leg's request headers are written, so its connection was made. A
+    leg that passes a future as ``trace_request_ctx`` (the P leg in the concurrent modes:
+    ``Router.dispatch``) learns it here, before any answer."""
+    sent = ctx.trace_request_ctx
+    if isinstance(sent, asyncio.Future) and not sent.done():
+        sent.set_result(None)
+
+
+def _leg_traces() -> list[aiohttp.TraceConfig]:
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(_on_headers_sent)
+    return [trace]
 
 
 async def _wait_disconnect(receive: Any) -> None:
@@ -648,7 +664,8 @@ class Router:
                                            keepalive_timeout=c.keepalive),
             timeout=aiohttp.ClientTimeout(total=None, connect=c.timeout,
                                           sock_connect=c.connect_timeout, sock_read=c.timeout),
-            skip_auto_headers=("Accept-Encoding",), auto_decompress=False)  # bytes as sent
+            skip_auto_headers=("Accept-Encoding",), auto_decompress=False,  # bytes as sent
+            trace_configs=_leg_traces())
         for b in self.prefill_pool.backends + self.decode_pool.backends:
             self.refresh_build(b)
         if c.mode == "push":
@@ -837,15 +854,17 @@ class Router:
 
     # -- legs ----------------------------------------------------------------------------------
 
-    async def _post_leg(self, backend: Backend, endpoint: str, body: dict, headers: dict
-                        ) -> LegResponse:
+    async def _post_leg(self, backend: Backend, endpoint: str, body: dict, headers: dict,
+                        sent: asyncio.Future | None = None) -> LegResponse:
         """POST one leg to ``backend`` (its response's headers read; raises LEG_ERRORS). A
         connection that cannot be made takes the backend out of selection for a while
-        (``pool``); one that is made puts it back."""
+        (``pool``); one that is made puts it back. ``sent``: set once the request's headers
+        are written (its connection was made), long before the answer."""
         assert self.legs is not None
         try:
             resp = await self.legs.post(backend.url + endpoint, json=body, headers=headers,
-                                        allow_redirects=False, proxy=backend.proxy)
+                                        allow_redirects=False, proxy=backend.proxy,
+                                        trace_request_ctx=sent)
         except CONNECT_ERRORS:
             self._not_connected(backend)
             raise
@@ -869,15 +888,16 @@ class Router:
             logger.info("%s %s can be connected to again", backend.role, backend.url)
             self.refresh_build(backend, force=True)  # it may have been restarted with another
 
-    async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
+    async def _prefill_leg(self, ex: Exchange, body: dict, headers: dict,
+                           sent: asyncio.Future | None = None) -> dict:
         """POST the P leg; return its JSON (streamed: ``{"sse": its events}`` as soon as they
         hold P's token, the rest read in the background: ``_finish_prefill_leg``). Releases
-        P's slot when the leg ends, however it ends."""
+        P's slot when the leg ends, however it ends. ``sent``: ``_post_leg``'s."""
         url = ex.p.backend.url
         reading_on = False
         try:
             try:
-                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers)
+                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers, sent)
                 if body.get("stream") and resp.status_code < 400:
                     # one token, streamed: its events (first_token.py), once they hold it
                     sse, reading_on = await self._prefill_events(ex, resp)
@@ -1005,6 +1025,55 @@ class Router:
             if isinstance(exc, LEG_ERRORS):
                 raise self.failure(ex, "decode", url, exc) from None
             raise
+
+    def _next_prefill(self, ex: Exchange, tried: set[str]) -> bool:
+        """Move ``ex`` (neither leg sent yet) to another prefill server that is up and not in
+        ``tried``, and choose its decode server again for that P (``compat``); False when
+        there is none."""
+        now = time.monotonic()
+        down = {b.url for b in self.prefill_pool.backends if not b.up(now)}
+        lease = self.prefill_pool.acquire(exclude=tried | down)
+        if lease is None:
+            return False
+        ex.p.release()
+        ex.p, ex.p_unsent = lease, False
+        d = self.decode_pool.acquire(avoid=self.compat.avoided(lease.backend.url))
+        assert d is not None
+        ex.d.release()
+        ex.d = d
+        return True
+
+    async def _send_prefill_first(self, ex: Exchange, headers: dict) -> None:
+        """Concurrent modes: start the P leg and return once its connection is made (its
+        headers are written) or it ended, so that D's leg, which names this P's side channel,
+        goes out only to wait for a P that has the request. A P that cannot be connected to
+        (nothing was sent: it holds nothing) is replaced by another one that is up, if any; so
+        a dead P costs no client its request while another P is up, and when none is, the
+        client's 502 comes without D ever getting a leg it would wait on for nothing."""
+        tried: set[str] = set()
+        loop = asyncio.get_running_loop()
+        while True:
+            sent = loop.create_future()
+            ex.p_task = asyncio.ensure_future(
+                self._prefill_leg(ex, self._prefill_body(ex), headers, sent))
+            try:
+                await asyncio.wait({sent, ex.p_task, ex.disconnect},
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                connected = sent.done()
+                sent.cancel()  # (a no-op once set)
+            if ex.disconnect.done():
+                raise ClientGone
+            if connected or not ex.p_task.done() or ex.p_task.cancelled() or not ex.p_unsent:
+                return  # connected, or failed otherwise: dispatch's loop takes it from here
+            url = ex.p.backend.url
+            tried.add(url)
+            if not self._next_prefill(ex, tried):
+                ex.p_task.result()  # raises P's connect failure: D got nothing
+                return
+            self.metrics.leg_retries.labels(leg="prefill").inc()
+            logger.warning("tid=%s prefill leg: cannot connect to %s; sent to %s instead",
+                           ex.tid, url, ex.p.backend.url)
 
     def _next_decode(self, ex: Exchange, tried: set[str]) -> bool:
         """Move ``ex``'s D leg to another decode server that is up and not in ``tried``
@@ -1209,6 +1278,11 @@ class Router:
         body["kv_transfer_params"] = self.signer.sign(params)
         return body
 
+    def _concurrent(self, ex: Exchange) -> bool:
+        """Whether D's leg goes out beside P's (``_decode_params`` is not None)."""
+        return self.config.mode == "push" or (
+            self.config.mode == "upstream-push" and bool(self.peers.get(ex.p.backend.url)))
+
     def _decode_params(self, ex: Exchange) -> dict | None:
         """D's ``kv_transfer_params`` for the concurrent modes; ``None`` means "ask P first"."""
         spec = ex.p.backend.spec
@@ -1241,7 +1315,11 @@ class Router:
             return await self._decode_alone(ex, headers, "beam_search")
         if wants_prompt_logprobs(ex.body, chat=ex.endpoint.endswith("chat/completions")):
             return await self._decode_alone(ex, headers, "prompt_logprobs")
-        ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex), headers))
+        if self._concurrent(ex):  # P first, D once P has the request
+            await self._send_prefill_first(ex, headers)
+        else:
+            ex.p_task = asyncio.ensure_future(self._prefill_leg(ex, self._prefill_body(ex),
+                                                                headers))
         d_params = self._decode_params(ex)
         if d_params is None:  # serial: pull, or upstream-push before P's engine id is known
             p_json = await self._await(ex, ex.p_task)
