@@ -376,6 +376,18 @@ class Decoder:
                 self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token,
                                                                   refused, rejected))
                 return
+            except Exception as e:  # noqa: BLE001 -- never left "connecting" for good
+                # what the handshake did not expect: a host name IDNA refuses (an empty or
+                # 64-character label), a port out of range in the producer's Welcome, a bug.
+                # Uncaught here it stayed in the pool's future: no log, and the address was
+                # never dialled again (every request to it waited transfer_timeout_s)
+                logger.warning("kv_push: handshake with %s:%d (producer rank %d) raised",
+                               host, port, rank, exc_info=True)
+                for sever in severs:
+                    sever()
+                reason = f"{type(e).__name__}: {e}"
+                self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token))
+                return
             sever = severs[0] if severs else None
             self.ctx.submit(lambda: self._on_welcome(remote, rank, welcome, token, sever))
 

@@ -64,7 +64,7 @@ class Bench:
         self.d.thread.add_role(self.decoder)
         self.p_tp, self.d_tp, self.d_rank = p_tp, d_tp, d_rank
         self.p = {r: RawEnd(self.wire, f"P{r}") for r in range(p_tp)}
-        self.refuse: dict[int, str | HandshakeError] = {}  # port -> why its handshake fails
+        self.refuse: dict[int, str | Exception] = {}  # port -> why its handshake fails
         self.welcome_changes: dict[int, dict] = {}  # rank -> Welcome fields to change
         self.handshakes: list[tuple[str, int]] = []
         self.hellos: list = []
@@ -82,7 +82,7 @@ class Bench:
         self.hellos.append(hello)
         if port in self.refuse:  # a reason, or the very error the side channel raises
             why = self.refuse[port]
-            raise why if isinstance(why, HandshakeError) else HandshakeError(why)
+            raise why if isinstance(why, Exception) else HandshakeError(why)
         rank = port - PORT
         end = self.p[rank]
         end.transport.add_peer(hello.agent_metadata)  # what accept_hello does on P
@@ -561,6 +561,29 @@ def test_a_failed_handshake_fails_the_request_and_the_next_one_retries():
                                     "handshake with producer rank 0 failed: connection refused")]
     assert b.d.count("handshake_failures") == 1 and b.d.count("transfers_failed") == 1
     assert b.wants() == 0
+    del b.refuse[PORT]
+    b.expect("req-2", "t2")
+    assert len(b.handshakes) == 2
+    assert b.got() == [b.registration("t2", reg="req-2")]
+
+
+@pytest.mark.parametrize("error", [UnicodeError("label empty or too long"),
+                                   OverflowError("port must be 0-65535")])
+def test_a_handshake_that_raises_something_unexpected_fails_and_is_dialled_again(error, caplog):
+    """An error the handshake does not expect -- the IDNA codec refusing a host name such as
+    'p..host' (an empty label; the router's kv= parser accepts it), a port out of range -- left
+    the address "connecting" for good: no log, never dialled again, every request to it waiting
+    transfer_timeout_s. Now it fails its requests at once, is logged with its traceback, and the
+    next request dials again."""
+    b = Bench()
+    b.refuse[PORT] = error
+    with caplog.at_level(logging.WARNING):
+        b.expect()
+    assert b.outcomes() == [Outcome("req-1", "failed", "handshake with producer rank 0 failed: "
+                                    f"{type(error).__name__}: {error}")]
+    assert any("raised" in r.getMessage() and r.exc_info for r in caplog.records)
+    assert b.d.count("handshake_failures") == 1 and b.wants() == 0
+    assert not b.decoder.holding()  # its thread may go quiet again
     del b.refuse[PORT]
     b.expect("req-2", "t2")
     assert len(b.handshakes) == 2

@@ -1543,6 +1543,11 @@ def test_config_parses_and_validates(capsys: pytest.CaptureFixture[str]):
 
     with pytest.raises(ValueError, match="expected HOST:PORT"):
         parse_prefill_spec("http://p:1,kv=nohost")
+    for host in ("p-host..example", "x" * 64 + ".example"):  # no socket can dial these
+        with pytest.raises(ValueError, match="is not a valid host name"):
+            parse_prefill_spec(f"http://p:1,kv={host}:5600")
+    assert parse_prefill_spec("http://p:1,kv=[::1]:5600").kv_host == "::1"
+    assert parse_prefill_spec("http://p:1,kv=p-host.example:5600").kv_host == "p-host.example"
     assert parse_prefill_spec("http://p:1").kv is None  # fine for pull mode
     with pytest.raises(ValueError, match="needs kv=HOST:PORT"):
         RouterConfig(prefill=(parse_prefill_spec("http://p:1"),), decode=("http://d:2",))

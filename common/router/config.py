@@ -49,6 +49,13 @@ def _parse_hostport(value: str, what: str) -> tuple[str, int]:
         raise ValueError(f"{what}: expected HOST:PORT, got {value!r}")
     if not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ValueError(f"{what}: port must be an integer in 1..65535, got {port_s!r}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:  # what a socket does with it: a name with an empty or over-long label fails there
+            host.encode("idna")
+        except UnicodeError:
+            raise ValueError(f"{what}: {host!r} is not a valid host name") from None
     return host, int(port_s)
 
 
