@@ -1331,6 +1331,35 @@ async def test_refusal_of_another_producer_is_not_blamed():
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
+async def test_refusals_long_ago_do_not_make_every_success_read_decodes_metrics():
+    """D refused a P once, before the router started (history at its first read). Successes
+    through that pair then read D's whole /metrics after every request, for as long as D ran
+    (a cold review counted 50 reads for 50 requests); now none: nothing new was counted."""
+    kv = f"127.0.0.1:{KV_BASE_PORT}"
+    async with cluster(decode_metrics=_refusal_metrics(kv, REFUSAL, 2.0)) as c:
+        reads = 0
+        read = c.router._read_refusals
+
+        async def counting(url: str):
+            nonlocal reads
+            reads += 1
+            return await read(url)
+
+        c.router._read_refusals = counting
+        for _ in range(5):
+            status, _, _ = await post(c, "/v1/completions", COMPLETION)
+            assert status == 200
+        await eventually(lambda: not c.router._background, "the router's reads")
+        assert reads == 0
+        # a refusal D counts later is still news at its failure
+        d = c.decodes[0]
+        d.behavior.fail_status = 500
+        d.behavior.metrics_text = _refusal_metrics(kv, REFUSAL, 3.0)
+        r = await c.client.post("/v1/completions", json=COMPLETION)
+        assert r.json()["error"]["type"] == "incompatible_peers", r.text
+        await eventually(lambda: all_idle(c), "router to be idle")
+
+
 def test_a_pair_that_works_again_is_not_marked_on_refusals_counted_before():
     """D counted more refusals after the router's last look (several for one failed request);
     the pair then works: those refusals are history too."""

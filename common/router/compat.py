@@ -164,17 +164,20 @@ class PairCompat:
                 if p == prefill and now - self._found_at.get((p, d), -AVOID_S) < AVOID_S}
 
     def worked(self, prefill: str, decode: str) -> bool:
-        """A request through the pair succeeded: earlier refusals are history. True when the
-        pair has refusals on record: then D's count is wanted now (``rebase``)."""
+        """A request through the pair succeeded: earlier refusals are history. True when D's
+        count is wanted now (``rebase``): the pair was found incompatible, a look saw more
+        refusals than the baseline holds, or a rebase is still pending. Not for every success
+        of a pair whose D refused it once, long ago: that read D's whole ``/metrics`` after
+        every request through the pair, for as long as D ran (a cold review's finding)."""
         pair = (prefill, decode)
         self._found_at.pop(pair, None)
         was = self.incompatible.pop(pair, None) is not None
         if was:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
-        if was or self._seen.get(pair, 0.0) > 0 or self._cleared.get(pair, 0.0) is None:
+        cleared, seen = self._cleared.get(pair, 0.0), self._seen.get(pair, 0.0)
+        if was or cleared is None or seen > cleared:
             self._cleared[pair] = None  # D's count now is unknown: rebase, or the next look
             return True
-        self._cleared[pair] = self._seen.get(pair, 0.0)
         return False
 
     def rebase(self, prefill: str, kv: str, decode: str,
