@@ -85,6 +85,10 @@ COUNTERS = {
                         "path (already claimed); freed when those claims are done",
     "release_rejected": "router Releases refused by this producer (label: the reason: bad_mac, "
                         "unauthenticated, replayed, ...)",
+    "forgotten": "transfer ids the router released (label released_tids) or prefills that "
+                 "expired unclaimed (expired_keys) forgotten before rendezvous_ttl_s, because "
+                 "more than 65,536 came within it: a prefill of such a transfer that finishes "
+                 "later is held until its TTL instead of freed at once",
 }
 
 
@@ -93,7 +97,10 @@ class Counters:
         self._lock = threading.Lock()
         self._values: dict[str, float] = defaultdict(float)
         self._labelled: dict[tuple[str, str], float] = defaultdict(float)
-        self._logged_once: set[tuple[str, str]] = set()
+        # rejections are logged per (counter, reason, context): once, then at most once a
+        # minute with a count; bounded (a set of every context ever seen grew with the peers
+        # and transfers named in contexts)
+        self._reject_log = LogLimiter(logger, max_keys=1024)
 
     def inc(self, name: str, amount: float = 1.0, label: str | None = None) -> None:
         if name not in COUNTERS:
@@ -105,14 +112,13 @@ class Counters:
 
     def reject(self, reason: str, detail: str, context: str = "",
                counter: str = "rejected") -> None:
-        """Count a rejected message in ``counter`` (labelled ``reason``) and log it once per
-        (counter, reason, context)."""
+        """Count a rejected message in ``counter`` (labelled ``reason``) and log it: once per
+        (counter, reason, context), then at most once a minute with a count (``LogLimiter``).
+        ``context`` names where (a peer, a message kind), never a request or transfer."""
         self.inc(counter, label=reason)
-        key = (f"{counter}:{reason}", context)
-        if key not in self._logged_once:
-            self._logged_once.add(key)
-            logger.warning("kv_push: rejected message (%s) %s%s", reason, detail,
-                           f" [{context}]" if context else "")
+        self._reject_log.warn(f"{counter}:{reason} {context}",
+                              "kv_push: rejected message (%s) %s%s", reason, detail,
+                              f" [{context}]" if context else "")
 
     def get(self, name: str, label: str | None = None) -> float:
         with self._lock:

@@ -838,6 +838,40 @@ def test_released_transfer_ids_are_bounded_and_expire(monkeypatch):
     assert b.got() == [] and b.p.count("registrations_early") == 1
 
 
+def test_transfer_ids_forgotten_before_their_ttl_are_counted_and_said(monkeypatch, caplog):
+    """More releases within rendezvous_ttl_s than the record holds: the oldest are dropped
+    early -- a late prefill of such a transfer is then held until its TTL. That was silent."""
+    monkeypatch.setattr(producer_module, "MAX_RELEASED_TIDS", 3)
+    b = Bench()
+    with caplog.at_level(logging.WARNING):
+        b.release("a", "b", "c", "d", "e")
+    assert b.p.count("forgotten", label="released_tids") == 2
+    said = [r.getMessage() for r in caplog.records if "forgotten early" in r.getMessage()]
+    assert len(said) == 1 and "released_tids" in said[0], said  # once a minute, not per drop
+
+
+def test_the_producers_records_are_swept_oldest_first_and_kept_while_renewed():
+    """answered and tombstones are swept from the oldest entry up to the first one still within
+    rendezvous_ttl_s (not scanned whole every second); an entry renewed meanwhile moves to the
+    end and stays."""
+    b = Bench()
+    b.register(reg="d-1")
+    b.prefill(key="req-1")
+    b.register(reg="d-2", tid="t2")
+    b.prefill(key="req-2", tid="t2")
+    assert [k[0][1] for k in b.producer.answered] == ["d-1", "d-2"]
+    b.clock.advance(TTL / 2)
+    b.register(reg="d-1", attempt=1)  # d-1 answered again (its prefill is gone): renewed
+    assert [k[0][1] for k in b.producer.answered] == ["d-2", "d-1"]
+    b.clock.advance(TTL / 2 + 1)
+    b.p.step()
+    assert [k[0][1] for k in b.producer.answered] == ["d-1"]
+    assert list(b.producer.tombstones) == []  # both older than the TTL
+    b.clock.advance(TTL)
+    b.p.step()
+    assert not b.producer.answered
+
+
 # -- time-outs -----------------------------------------------------------------------------------
 
 
