@@ -429,16 +429,18 @@ class Decoder:
                 self._closed_early.discard(token)
                 raise MessageRejected("lifeline_closed", f"producer {welcome.engine_id} closed "
                                       "its side channel right after the handshake")
+            # (an incompatibility's text names no engine id: it becomes the handshake_refusals
+            # label, and vLLM makes a new engine id at every start -- a new series each time)
             if welcome.compat_hash != COMPAT_HASH:
-                raise MessageRejected("incompatible", f"producer {welcome.engine_id} speaks "
+                raise MessageRejected("incompatible", f"the producer speaks "
                                       f"{welcome.compat_hash}, we speak {COMPAT_HASH}")
             if (why := check_peer_nixl(self.ctx.nixl_version, welcome.nixl_version)) is not None:
-                raise MessageRejected("incompatible", f"producer {welcome.engine_id}: {why}")
+                raise MessageRejected("incompatible", f"the producer: {why}")
             try:
                 welcome.geometry.compatible_with(self.ctx.geometry,
                                                  sides=("on the producer", "on the decoder"))
             except GeometryError as e:
-                raise MessageRejected("bad_layout", f"producer {welcome.engine_id}: {e}") from None
+                raise MessageRejected("bad_layout", f"the producer: {e}") from None
             if welcome.geometry.tp_rank != rank:
                 raise MessageRejected("invalid", f"port for rank {rank} answered as rank "
                                       f"{welcome.geometry.tp_rank}")
@@ -452,7 +454,8 @@ class Decoder:
         except MessageRejected as e:
             if sever is not None:
                 sever()  # we will not use it: do not keep the connection open
-            self.ctx.counters.reject(e.reason, e.detail, context=f"handshake {remote.address}")
+            self.ctx.counters.reject(e.reason, f"{e.detail} (producer engine {welcome.engine_id})",
+                                     context=f"handshake {remote.address}")
             refused = str(e) if e.reason in ("incompatible", "bad_layout") else None
             self._on_handshake_failed(remote, rank, str(e), refused=refused)
             return

@@ -35,7 +35,8 @@ COUNTERS = {
     "prefills_announced_early": "producer prefills announced when their step ran, not one step "
                                 "later at request_finished (early_prefill_done)",
     "prefills_streamed": "producer prefills put up for layer-wise streaming by the scheduler "
-                         "(layerwise)",
+                         "(layerwise); a worker without a staging pool (the host backend's "
+                         "default) ignores them: layerwise_streams counts what was streamed",
     "layerwise_streams": "prefills this producer worker packed layer by layer while their step ran",
     "layerwise_transfers": "staged transfers written from a layer-wise stream (no pack after the "
                            "prefill)",

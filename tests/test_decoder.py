@@ -609,9 +609,15 @@ def test_all_requests_waiting_for_a_handshake_fail_with_it():
 ])
 def test_a_welcome_that_does_not_fit_is_refused(rank, change, reason):
     b = Bench(p_tp=2)
-    b.welcome_changes[rank] = change
+    b.welcome_changes[rank] = {"engine_id": "engine-of-this-start", **change}
     b.expect()
     assert b.d.count("rejected", label=reason) == 1
+    # a refusal's label names no engine id (vLLM makes one per start: a series per restart)
+    labels = [k for k in b.d.thread.counters.snapshot() if k.startswith("handshake_refusals{")]
+    assert labels == ([] if reason not in ("incompatible", "bad_layout") else
+                      [f"handshake_refusals{{{HOST}:{PORT} {reason}: the producer"
+                       + labels[0].split("the producer", 1)[1]]), labels
+    assert not [k for k in labels if "engine-of-this-start" in k], labels
     (outcome,) = b.outcomes()
     assert outcome.kind == "failed" and f"producer rank {rank} failed" in outcome.reason
     assert b.d.count("handshake_failures") == 1
