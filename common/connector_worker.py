@@ -243,6 +243,7 @@ class PushConnectorWorker:
                     self._abandoned.discard(o.key)
                     self._failed_early.discard(o.key)
                     self._blocks.pop(o.key, None)
+                    self._tids.pop(o.key, None)
                     continue
                 blocks = self._blocks.pop(o.key, ())
                 if o.key in self._failed_early:  # reported failed already; now it may be freed

@@ -498,6 +498,8 @@ class SideChannelServer:
                     send_frame(sock, codec_, reply)
                 except OSError as e:
                     on_reject_("handshake_io", f"reply to {peer}: {e}")
+                    if isinstance(reply, Welcome) and on_closed_ is not None:
+                        on_closed_(msg)  # accepted, but it never heard so: no lifeline
                     return
                 if isinstance(reply, Welcome) and on_closed_ is not None:
                     hello = msg

@@ -62,6 +62,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -284,7 +285,12 @@ class TransferThread:
         fut: Future = Future()
         self._inbox.put((time.monotonic(), fn, fut))
         self._wake.set()
-        return fut.result(timeout=timeout)
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout:
+            if fut.cancel():  # not started: it never runs (a late accept_hello would add a
+                raise         # peer nobody was told of, with no lifeline to ever drop it)
+            return fut.result()  # running now: its effect happens anyway, so its result
 
     @property
     def alive(self) -> bool:

@@ -1728,6 +1728,29 @@ async def test_a_dead_prefill_server_costs_no_request_while_another_is_up(stream
         assert not [k for k in m if k[0] == "kv_push_router_releases_total" and m[k]], m
 
 
+async def test_an_exchange_whose_close_fails_midway_still_gives_its_slots_back(monkeypatch):
+    """Closing D's response inside an exchange's close raised (or the close was cancelled
+    there): the legs' slots were kept for good (a backend's outstanding count inflated, and
+    least-outstanding selection skewed) and the request was not counted."""
+    from kv_push.common.router import app as app_module
+
+    real = app_module.DecodeStream.aclose
+
+    async def aclose(self):
+        await real(self)
+        if sys._getframe(1).f_code.co_name == "close":  # Exchange.close's call only
+            raise RuntimeError("closing failed")
+
+    monkeypatch.setattr(app_module.DecodeStream, "aclose", aclose)
+    async with cluster() as c:
+        await post(c, "/v1/completions", COMPLETION)
+        backends = c.router.prefill_pool.backends + c.router.decode_pool.backends
+        await eventually(lambda: all(b.outstanding == 0 for b in backends),
+                         "every slot given back")
+        m = await c.metrics()
+        assert sum(v for k, v in m.items() if k[0] == "kv_push_router_requests_total") == 1
+
+
 async def test_with_every_prefill_server_dead_decode_gets_no_leg():
     """No P can be connected to: the client's 502 comes at once, and D never gets a leg that
     would wait for a prefill nobody makes (before 2026-12-06 D got it, and failed it only when

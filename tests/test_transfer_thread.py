@@ -293,6 +293,33 @@ def test_call_propagates_exceptions_and_thread_survives(h):
     assert h.rejected("internal_error") == 0  # the caller got it: not counted
 
 
+def test_a_call_that_timed_out_before_it_started_never_runs(h):
+    """The side channel's handshake calls accept_hello on the thread with a time-out. One
+    that timed out while the thread was busy (e.g. compiling kernels) still ran later: it added
+    a decoder as a peer nobody had been told of, with no lifeline to ever drop it. A call whose
+    time-out comes before it started is now cancelled; one already running is waited for (its
+    effect happens anyway)."""
+    busy, go = threading.Event(), threading.Event()
+    h.t.submit(lambda: (busy.set(), go.wait(TIMEOUT)))
+    assert busy.wait(TIMEOUT)
+    ran = []
+    with pytest.raises(TimeoutError):
+        h.t.call(lambda: ran.append("late"), 0.05)
+    go.set()
+    assert h.t.call(lambda: "after", TIMEOUT) == "after"
+    assert ran == []
+    # started before its time-out ran out: its result is returned, not a time-out
+    started, finish, got = threading.Event(), threading.Event(), []
+    caller = threading.Thread(target=lambda: got.append(h.t.call(
+        lambda: (started.set(), finish.wait(TIMEOUT), "done")[-1], 0.05)))
+    caller.start()
+    assert started.wait(TIMEOUT)
+    time.sleep(0.1)  # past the call's time-out, while it runs
+    finish.set()
+    caller.join(TIMEOUT)
+    assert got == ["done"]
+
+
 def test_failing_submitted_work_is_counted_and_survived(h):
     h.t.submit(lambda: 1 / 0)
     h.t.submit(lambda: (_ for _ in ()).throw(MessageRejected("bad_layout", "from work")))

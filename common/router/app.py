@@ -495,18 +495,20 @@ class Exchange:
             self.router.adopt(p)  # D is done; let P finish (its leg then releases its slot)
         if p is not None and p.done() and not p.cancelled():
             p.exception()  # mark it retrieved; a failure was counted when it happened
-        if d is not None and d.done() and not d.cancelled() and d.exception() is None:
-            await d.result().aclose()
         pending = [t for t in (self.disconnect, d, None if adopted else p)
                    if t is not None and not t.done()]
         for t in pending:
             t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        self.d.release()
-        if not adopted:
-            self.p.release()  # the leg's own finally does it too, unless cancelled before start
-        self.router.metrics.requests.labels(**self.labels, outcome=self.outcome).inc()
-        self.router.metrics.e2e.labels(**self.labels).observe(time.perf_counter() - self.t0)
+        try:
+            if d is not None and d.done() and not d.cancelled() and d.exception() is None:
+                await d.result().aclose()
+            await asyncio.gather(*pending, return_exceptions=True)
+        finally:  # however the awaits end (this task cancelled meanwhile): never a slot kept
+            self.d.release()
+            if not adopted:
+                self.p.release()  # the leg's own finally does it too, unless cancelled early
+            self.router.metrics.requests.labels(**self.labels, outcome=self.outcome).inc()
+            self.router.metrics.e2e.labels(**self.labels).observe(time.perf_counter() - self.t0)
 
 
 class ProxyStream(StreamingResponse):
