@@ -67,6 +67,7 @@ unpacked).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -785,7 +786,9 @@ class Decoder:
         if self.staged is not None:
             self.staged.forget_producer(name)
         self._lifeline.pop(name, None)
-        self._severs.pop(name, None)
+        if (sever := self._severs.pop(name, None)) is not None:
+            with contextlib.suppress(OSError):
+                sever()  # (closed already when its closing told us; else its thread waits)
         self._giving_up.pop(name, None)
         for remote in list(self.remotes.values()):
             for rank, agent in list(remote.rank_peers.items()):
@@ -805,7 +808,13 @@ class Decoder:
                 self._check(want)
 
     def close(self) -> None:
+        """Stop dialling, and close every lifeline to a producer: each learns at once that
+        this decoder is gone (instead of when its process exits)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for sever in list(self._severs.values()):
+            with contextlib.suppress(OSError):
+                sever()
+        self._severs.clear()
 
     def live(self) -> dict[str, int]:
         out = {"wants": len(self.by_reg), "parked": len(self.parked)}

@@ -422,6 +422,10 @@ class SideChannelServer:
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
         on_closed_, on_release_, on_probe_ = on_closed, on_release, on_probe
         on_release_reject_ = on_release_reject or on_reject
+        # lifelines held open (their handler threads wait in hold_lifeline): closed by close()
+        lifelines: set[socket.socket] = set()
+        lifelines_lock = threading.Lock()
+        self._lifelines, self._lifelines_lock = lifelines, lifelines_lock
 
         def answer_release(msg: Release, nonce: bytes, peer: str) -> Message:
             """The reply to a decoded Release (``Refused`` for one that must not count)."""
@@ -503,7 +507,13 @@ class SideChannelServer:
                     return
                 if isinstance(reply, Welcome) and on_closed_ is not None:
                     hello = msg
-                    hold_lifeline(sock, lambda: on_closed_(hello))  # this handler thread waits
+                    with lifelines_lock:
+                        lifelines.add(sock)
+                    try:  # this handler thread waits
+                        hold_lifeline(sock, lambda: on_closed_(hello))
+                    finally:
+                        with lifelines_lock:
+                            lifelines.discard(sock)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -559,6 +569,14 @@ class SideChannelServer:
         return self
 
     def close(self) -> None:
+        """Stop listening, and end every lifeline held open: its decoder learns at once that
+        this producer is gone (a worker closed while its process lives on -- ``server_watch``
+        -- kept them, their handler threads and connection slots, until the decoder died)."""
         self._server.shutdown()
         self._server.server_close()
+        with self._lifelines_lock:
+            held = list(self._lifelines)
+        for sock in held:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(5)

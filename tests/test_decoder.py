@@ -590,6 +590,17 @@ def test_a_handshake_that_raises_something_unexpected_fails_and_is_dialled_again
     assert b.got() == [b.registration("t2", reg="req-2")]
 
 
+def test_a_closing_decoder_closes_its_lifelines():
+    """Closed while its process lives on (server_watch), a decoder kept its lifelines -- and
+    their threads, and the producers' handler threads and connection slots -- open until its
+    process ended: the producers never learnt it was gone."""
+    b = Bench(p_tp=2)
+    b.expect()
+    assert b.severed == []
+    b.decoder.close()
+    assert sorted(b.severed) == ["P0", "P1"]
+
+
 def test_all_requests_waiting_for_a_handshake_fail_with_it():
     b = Bench(manual=True)
     b.expect("req-1", "t1")

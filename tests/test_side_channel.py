@@ -394,6 +394,20 @@ def test_the_decoder_can_sever_its_lifeline_and_the_producer_hears_it(server):
     sever()  # twice: harmless
 
 
+def test_a_producer_closing_its_side_channel_ends_its_lifelines(server):
+    """A producer worker closed while its process lives on (server_watch) kept every
+    decoder's lifeline open -- and their handler threads and connection slots -- until the
+    decoders died: they never learnt it was gone."""
+    s = server(lifeline=True)
+    closed: queue.SimpleQueue = queue.SimpleQueue()
+    welcome = handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT, on_closed=closed.put)
+    with pytest.raises(queue.Empty):
+        closed.get(timeout=0.2)
+    s.close()
+    assert closed.get(timeout=WAIT) == welcome  # the decoder hears it
+    assert s.closed.get(timeout=WAIT) == s.hellos[0]  # and the handler thread is done
+
+
 def test_without_a_lifeline_the_handshake_closes_the_connection(server):
     s = server(lifeline=True)
     handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)  # no on_closed: closes at once
