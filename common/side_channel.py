@@ -50,6 +50,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from typing import Callable
 
 import msgspec
@@ -100,9 +101,14 @@ class ClosedBeforeFrame(HandshakeError):
     """The peer closed the connection before sending a byte of its frame."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:  # the whole frame within the socket's time-out, not each recv
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("side-channel frame not complete in time")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             if not buf:
@@ -118,11 +124,19 @@ def send_frame(sock: socket.socket, codec: Codec, msg: Message) -> None:
 
 
 def recv_raw(sock: socket.socket) -> bytes:
-    """One frame's bytes (not yet decoded)."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_MESSAGE_BYTES:
-        raise MessageRejected("oversize", f"side-channel frame of {n} bytes")
-    return _recv_exact(sock, n)
+    """One frame's bytes (not yet decoded). The socket's time-out bounds the whole frame: a
+    peer that sends a byte now and then cannot hold a connection (and a slot of the side
+    channel's ``max_side_channel_connections``) for longer."""
+    budget = sock.gettimeout()
+    deadline = None if budget is None else time.monotonic() + budget
+    try:
+        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+        if n > MAX_MESSAGE_BYTES:
+            raise MessageRejected("oversize", f"side-channel frame of {n} bytes")
+        return _recv_exact(sock, n, deadline)
+    finally:
+        if budget is not None:
+            sock.settimeout(budget)
 
 
 def recv_frame(sock: socket.socket, codec: Codec) -> Message:

@@ -408,6 +408,31 @@ def test_a_producer_closing_its_side_channel_ends_its_lifelines(server):
     assert s.closed.get(timeout=WAIT) == s.hellos[0]  # and the handler thread is done
 
 
+def test_a_peer_that_drips_its_frame_is_cut_off_at_the_time_out(server):
+    """The time-out bounded each recv, not the frame: a peer sending a byte every 0.3 s held a
+    handler thread and a connection slot for as long as it liked (1,024 such filled the side
+    channel). Now the whole frame must come within the time-out."""
+    s = server(timeout=1.0)
+    with socket.create_connection(("127.0.0.1", s.port), timeout=WAIT) as c:
+        read_challenge(c)
+        t0 = time.monotonic()
+        frame = struct.pack("!I", 64) + b"x" * 64
+        cut = None
+        for byte in frame:
+            try:
+                c.sendall(bytes([byte]))
+                time.sleep(0.3)
+            except OSError:
+                cut = time.monotonic() - t0
+                break
+        if cut is None:  # every byte went out (the kernel buffers them): the end is read
+            c.settimeout(WAIT)
+            assert c.recv(64) == b""
+            cut = time.monotonic() - t0
+    assert cut < 4, cut  # not 64 x 0.3 s
+    assert [r for r, _ in s.rejects] == ["handshake_io"], s.rejects
+
+
 def test_without_a_lifeline_the_handshake_closes_the_connection(server):
     s = server(lifeline=True)
     handshake("127.0.0.1", s.port, HELLO, Codec(), WAIT)  # no on_closed: closes at once
