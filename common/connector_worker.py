@@ -45,7 +45,7 @@ from .config import PushConfig
 from . import timing
 from .connector_scheduler import RELEASE_KEY_PREFIX, PrefillReady, StepPlan
 from .kv_tensors import describe_kv_caches
-from .metrics import Counters, LogLimiter
+from .metrics import Counters, LogLimiter, log_key
 from .worker import PushWorker
 
 #: what a producer's decoders are told when vLLM aborted its request: the client hung up, or
@@ -275,7 +275,7 @@ class PushConnectorWorker:
 
     def _report_failed(self, o, blocks, failed: set[str], *, early: bool) -> None:
         self.counters.inc("load_failures", label=self.load_failure_policy)
-        self._log.warn(f"failed {o.reason}", "kv_push: KV for request %s failed "
+        self._log.warn(f"failed {log_key(o.reason)}", "kv_push: KV for request %s failed "
                        "(kv_load_failure_policy=%s)%s: %s", o.key, self.load_failure_policy,
                        "; its blocks stay held until no WRITE can land in them" if early else "",
                        o.reason)

@@ -91,7 +91,7 @@ from .messages import (
     WriteDone,
     geometry_digest,
 )
-from .metrics import LogLimiter
+from .metrics import LogLimiter, log_key
 from .nixl_compat import check_peer_nixl
 from .side_channel import HandshakeError, HandshakeRefused, handshake
 from .transfer_thread import Peer, RoleContext
@@ -595,7 +595,7 @@ class Decoder:
                         reason)
         else:
             self.ctx.counters.inc("transfers_failed")
-            self._log.warn(f"fail {reason}", "kv_push: transfer %s (%s) failed: %s",
+            self._log.warn(f"fail {log_key(reason)}", "kv_push: transfer %s (%s) failed: %s",
                            want.transfer_id, want.key, reason)
         self._fence(want, "failed", reason)
 

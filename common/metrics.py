@@ -10,6 +10,7 @@ directly. Names are stable: they are documented in the README.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
@@ -135,6 +136,16 @@ class Counters:
                 self._values.clear()
                 self._labelled.clear()
         return out
+
+
+def log_key(text: str) -> str:
+    """``text`` (a free-text reason) as a ``LogLimiter`` key: numbers and long hex ids made
+    one, so reasons that differ only in a request's figures ("wants 300 tokens, has 256")
+    share a key instead of each being logged as new."""
+    return _FIGURES.sub("#", text)
+
+
+_FIGURES = re.compile(r"\b[0-9a-f]{8,}\b|\d+")
 
 
 class LogLimiter:

@@ -715,6 +715,18 @@ def test_log_limiter_logs_once_then_once_per_period_with_a_count(caplog):
     assert lim.warn("a", "event %s", 5)  # so "a" is new again
 
 
+def test_reasons_that_differ_only_in_figures_share_a_log_key():
+    """A failure reason with a request's figures in it ("wants 300 tokens, has 256") was a new
+    LogLimiter key per request: logged every time, the limit defeated."""
+    from kv_push.common.metrics import log_key
+
+    assert log_key("decoder wants 300 tokens, prefill has 256") == \
+        log_key("decoder wants 512 tokens, prefill has 384")
+    assert log_key("transfer 3f23f96cdcfc4261aaa28f93af82f0fa expired") == \
+        log_key("transfer 0123456789abcdef0123456789abcdef expired")
+    assert log_key("no KV within 60s") != log_key("handshake failed: timed out")
+
+
 # -- what a worker holds (diagnostics) ------------------------------------------------------------
 
 
