@@ -268,7 +268,8 @@ class Producer:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
+                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name,
+                          lifeline=hello.nonce)
         self.ctx.counters.inc("handshakes")
         stages = self.staged is not None and self.staged.accept(hello.agent_name, hello.staging)
         if not stages:

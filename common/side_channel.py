@@ -440,6 +440,8 @@ class SideChannelServer:
         lifelines: set[socket.socket] = set()
         lifelines_lock = threading.Lock()
         self._lifelines, self._lifelines_lock = lifelines, lifelines_lock
+        self._lifelines_closed = False
+        server_ = self
 
         def answer_release(msg: Release, nonce: bytes, peer: str) -> Message:
             """The reply to a decoded Release (``Refused`` for one that must not count)."""
@@ -522,6 +524,9 @@ class SideChannelServer:
                 if isinstance(reply, Welcome) and on_closed_ is not None:
                     hello = msg
                     with lifelines_lock:
+                        if server_._lifelines_closed:  # (closing: nothing is held any more)
+                            with contextlib.suppress(OSError):
+                                sock.shutdown(socket.SHUT_RDWR)
                         lifelines.add(sock)
                     try:  # this handler thread waits
                         hold_lifeline(sock, lambda: on_closed_(hello))
@@ -582,15 +587,28 @@ class SideChannelServer:
         self._thread.start()
         return self
 
-    def close(self) -> None:
-        """Stop listening, and end every lifeline held open: its decoder learns at once that
-        this producer is gone (a worker closed while its process lives on -- ``server_watch``
-        -- kept them, their handler threads and connection slots, until the decoder died)."""
-        self._server.shutdown()
+    def stop_listening(self) -> None:
+        """No new connections; the lifelines held stay open (``close_lifelines``)."""
+        if self._thread.ident is not None:  # (shutdown() waits for a loop never started)
+            self._server.shutdown()
+            self._thread.join(5)
         self._server.server_close()
+
+    def close_lifelines(self) -> None:
+        """End every lifeline held open (and any a handler is about to hold): its decoder
+        learns at once that this producer is gone -- so call it only once nothing of this
+        producer's can be in flight any more (its transfer thread closed: a decoder frees its
+        fenced blocks when the lifeline closes). A worker closed while its process lives on
+        (``server_watch``) kept them, their handler threads and connection slots, until the
+        decoders died."""
         with self._lifelines_lock:
+            self._lifelines_closed = True
             held = list(self._lifelines)
         for sock in held:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5)
+
+    def close(self) -> None:
+        """``stop_listening``, then ``close_lifelines``."""
+        self.stop_listening()
+        self.close_lifelines()

@@ -88,6 +88,9 @@ class Peer:
     last_heard: float
     address: tuple[str, int] | None = None  # a producer's side channel, as the decoder dialled it
     heard: bool = False  # a notification from it has arrived since it was added
+    #: (producer) the nonce of the handshake that made this entry: only that handshake's
+    #: lifeline closing drops it (``peer_lost``), not an older one's of the same agent
+    lifeline: bytes = b""
     silent: bool = False  # no message for peer_timeout_s (roles were told); cleared when it speaks
 
 
@@ -181,7 +184,7 @@ class RoleContext(Protocol):
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None,
-                 agent_name: str | None = None) -> Peer:
+                 agent_name: str | None = None, lifeline: bytes = b"") -> Peer:
         """Load a peer's transport metadata (once) and track it. Raises ``MessageRejected``
         ("layout_changed") if the agent is known with another geometry, ("name_mismatch") if
         ``agent_name`` (the name the peer gave in its handshake) is not the name the metadata
@@ -190,9 +193,10 @@ class RoleContext(Protocol):
     def peer(self, agent_name: str) -> Peer | None:
         """The live peer of that agent name, or None (never known, or dropped)."""
 
-    def peer_lost(self, agent_name: str, reason: str) -> None:
+    def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None) -> None:
         """(any thread) The peer is gone (its lifeline closed): drop it soon, on the thread; every
-        role's ``on_peer_dead`` is called."""
+        role's ``on_peer_dead`` is called. ``lifeline``: only if its entry was made by that
+        handshake."""
 
     # -- transfers --
     def write(self, peer: str, src: np.ndarray, dst: np.ndarray, src_mem: str, dst_mem: str,
@@ -347,7 +351,7 @@ class TransferThread:
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None,
-                 agent_name: str | None = None) -> Peer:
+                 agent_name: str | None = None, lifeline: bytes = b"") -> Peer:
         """Load a peer's agent metadata (once) and start tracking its liveness.
 
         ``agent_name``: the name the peer gave in its handshake; it must be the name NIXL reports
@@ -362,14 +366,21 @@ class TransferThread:
         if old is not None and old.geometry_digest != digest:
             raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
         peer = Peer(name, engine_id, tp_rank, geometry, digest, self.clock(), address,
-                    heard=old is not None and old.heard)
+                    heard=old is not None and old.heard, lifeline=lifeline)
         self.peers[name] = peer
         return peer
 
-    def peer_lost(self, agent_name: str, reason: str) -> None:
-        """(any thread) A peer's lifeline closed: drop it on the transfer thread, now."""
+    def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None) -> None:
+        """(any thread) A peer's lifeline closed: drop it on the transfer thread, now.
+        ``lifeline`` (the producer's side: the nonce of the handshake whose lifeline closed):
+        drop it only if its entry was made by that handshake -- a decoder that gave up on a
+        slow handshake and made another is alive on the newer one."""
         def drop() -> None:
             peer = self.peers.get(agent_name)
+            if peer is not None and lifeline is not None and peer.lifeline != lifeline:
+                logger.info("kv_push: an older handshake's lifeline of %s closed; it is kept "
+                            "on its newer one", agent_name)
+                return
             if peer is not None:
                 self.counters.inc("peers_dead")
                 self.drop_peer(peer, reason)

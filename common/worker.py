@@ -127,7 +127,7 @@ class PushWorker:
                                                                       context="side channel"),
                 timeout=self.config.handshake_timeout_s,
                 on_closed=lambda hello: self.thread.peer_lost(
-                    hello.agent_name, "decoder closed its side channel"),
+                    hello.agent_name, "decoder closed its side channel", lifeline=hello.nonce),
                 max_connections=self.config.max_side_channel_connections,
                 on_release=self._accept_release,
                 on_release_reject=lambda reason, detail: self.counters.reject(
@@ -396,8 +396,13 @@ class PushWorker:
     def close(self) -> None:
         self._stop.set()
         if self.side_channel is not None:
-            self.side_channel.close()
-        self.thread.close()
+            self.side_channel.stop_listening()
+        self.thread.close()  # drains the WRITEs in flight, tears the transport down
+        if self.side_channel is not None and not self.thread.alive:
+            # only now: a decoder frees its fenced blocks when our lifeline closes, so it must
+            # not close while a WRITE of ours may still land in them (a thread that did not
+            # stop in time may still have one: its lifelines close with the process)
+            self.side_channel.close_lifelines()
 
     @staticmethod
     def _need(role, what: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -1334,7 +1336,7 @@ async def test_refusal_of_another_producer_is_not_blamed():
 async def test_refusals_long_ago_do_not_make_every_success_read_decodes_metrics():
     """D refused a P once, before the router started (history at its first read). Successes
     through that pair then read D's whole /metrics after every request, for as long as D ran
-    (a cold review counted 50 reads for 50 requests); now none: nothing new was counted."""
+    (a cold review counted 50 reads for 50 requests); now at most one per 30 s."""
     kv = f"127.0.0.1:{KV_BASE_PORT}"
     async with cluster(decode_metrics=_refusal_metrics(kv, REFUSAL, 2.0)) as c:
         reads = 0
@@ -1350,7 +1352,7 @@ async def test_refusals_long_ago_do_not_make_every_success_read_decodes_metrics(
             status, _, _ = await post(c, "/v1/completions", COMPLETION)
             assert status == 200
         await eventually(lambda: not c.router._background, "the router's reads")
-        assert reads == 0
+        assert reads == 1  # one read per REBASE_EVERY_S (30 s) at most, not one per success
         # a refusal D counts later is still news at its failure
         d = c.decodes[0]
         d.behavior.fail_status = 500
@@ -1693,19 +1695,27 @@ async def test_health_is_503_while_every_decode_server_is_left_out(caplog):
         assert sum("decode leg failed (connect)" in m for m in said) == 1, said
         h = await c.client.get("/health")
         assert h.status_code == 503 and h.json()["decode"][0]["down_for_s"] > 0, h.json()
+        # three failed tries, one ejection: the 2nd and 3rd probed a D already out (a
+        # walkthrough saw the counter equal every connect failure: useless for alerting)
+        m = await c.metrics()
+        assert m[("kv_push_router_backend_ejections_total", (("role", "decode"),))] == 1
         await eventually(lambda: all_idle(c), "router to be idle")
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_dead_prefill_server_costs_no_request_while_another_is_up(stream: bool, caplog):
+async def test_a_dead_prefill_server_costs_no_request_while_another_is_up(stream: bool, caplog,
+                                                                          monkeypatch):
     """One of two P's is dead (nothing listens). A request that picks it cannot connect its P
     leg: D's leg, which would name that P's side channel and wait for a prefill nobody makes,
     is not sent yet (it goes out once P's connection is made), so the request moves to the
     other P -- no 502 (until 2026-12-06 the first request, and one more at each end of the dead
     P's ejection, failed). The dead P is left out of selection and never gets a Release."""
+    from kv_push.common.router import pool
+
+    monkeypatch.setattr(pool, "EJECT_BASE_S", 60.0)  # (1 s ran out on a loaded box: a 2nd try)
     async with cluster(dead_prefills=1) as c:
         body = dict(COMPLETION, stream=stream)
-        with caplog.at_level("WARNING", logger="kv_push.router"):
+        with caplog.at_level("WARNING"):
             first = [await post(c, "/v1/completions", body) for _ in range(2)]
         assert [s for s, _, _ in first] == [200, 200]  # round robin: the dead P picked once
         said = [r.getMessage() for r in caplog.records]
@@ -1726,6 +1736,31 @@ async def test_a_dead_prefill_server_costs_no_request_while_another_is_up(stream
         # the dead P never had the request: no Release goes to its side channel (a
         # walkthrough saw one fail against it, counted and logged as a failure)
         assert not [k for k in m if k[0] == "kv_push_router_releases_total" and m[k]], m
+        # the failed leg's error was read: asyncio logs no "Task exception was never
+        # retrieved" ERROR (with a traceback) for a request that was served
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+
+async def test_a_prefill_leg_failing_before_its_headers_went_out_sends_decode_nothing(
+        monkeypatch):
+    """P's leg failed before a byte of it was written, and not by a refused connection (a
+    pooled connection reset, a proxy refusing CONNECT): P has nothing, so D must get no leg
+    that would wait for P's prefill (a cold review saw D get one)."""
+    real = Router._post_leg
+
+    async def post_leg(self, backend, endpoint, body, headers, sent=None):
+        if sent is not None:  # the P leg
+            raise aiohttp.ClientOSError(104, "Connection reset by peer")
+        return await real(self, backend, endpoint, body, headers, sent)
+
+    monkeypatch.setattr(Router, "_post_leg", post_leg)
+    async with cluster() as c:
+        status, data, _ = await post(c, "/v1/completions", COMPLETION)
+        assert status == 502 and b"prefill server failed" in data, data
+        await eventually(lambda: all_idle(c), "router to be idle")
+        assert c.decodes[0].records == []
 
 
 async def test_an_exchange_whose_close_fails_midway_still_gives_its_slots_back(monkeypatch):

@@ -311,10 +311,10 @@ def test_a_call_that_timed_out_before_it_started_never_runs(h):
     # started before its time-out ran out: its result is returned, not a time-out
     started, finish, got = threading.Event(), threading.Event(), []
     caller = threading.Thread(target=lambda: got.append(h.t.call(
-        lambda: (started.set(), finish.wait(TIMEOUT), "done")[-1], 0.05)))
+        lambda: (started.set(), finish.wait(TIMEOUT), "done")[-1], 1.0)))
     caller.start()
-    assert started.wait(TIMEOUT)
-    time.sleep(0.1)  # past the call's time-out, while it runs
+    assert started.wait(TIMEOUT)  # (it must start within its 1 s: an idle thread does)
+    time.sleep(1.2)  # past the call's time-out, while it runs
     finish.set()
     caller.join(TIMEOUT)
     assert got == ["done"]
@@ -503,6 +503,54 @@ def test_heartbeats_keep_a_peer_alive_and_silence_marks_it_unresponsive():
         assert h.t.call(lambda: set(h.t.peers), TIMEOUT) == set()
     finally:
         h.close()
+
+
+def test_an_older_handshakes_lifeline_closing_keeps_the_peer_its_newer_one_made(h):
+    """A decoder gave up on a slow handshake (H1) and made another (H2); H1's lifeline closing
+    afterwards (or its Welcome failing to go out) dropped the peer H2 had made -- a live
+    decoder the producer then no longer knew. Only the newest handshake's lifeline drops it."""
+    meta = h.b.metadata()
+    h.b.add_peer(h.meta_a)
+
+    def add(nonce: bytes) -> None:
+        h.t.call(lambda: h.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
+                                      digest=DIGEST, lifeline=nonce), TIMEOUT)
+
+    add(b"h1")
+    add(b"h2")
+    h.t.peer_lost("B", "its side channel closed", lifeline=b"h1")
+    sync(h.t)
+    assert h.role.dead == [] and h.t.call(lambda: set(h.t.peers), TIMEOUT) == {"B"}
+    h.t.peer_lost("B", "its side channel closed", lifeline=b"h2")
+    sync(h.t)
+    assert [p.agent_name for p in h.role.dead] == ["B"]
+
+
+def test_a_closing_producer_worker_ends_its_lifelines_only_after_its_thread(monkeypatch):
+    """Its decoders free their fenced blocks when its lifeline closes: closing the lifelines
+    before the transfer thread drained its WRITEs let a WRITE land in freed blocks (a cold
+    review's finding on the first version of closing them)."""
+    from kv_push.common.side_channel import SideChannelServer
+    from kv_push.common.worker import PushWorker
+
+    order: list[str] = []
+    for name in ("stop_listening", "close_lifelines"):
+        real = getattr(SideChannelServer, name)
+        monkeypatch.setattr(SideChannelServer, name,
+                            lambda self, _r=real, _n=name: (order.append(_n), _r(self))[1])
+    real_close = TransferThread.close
+    monkeypatch.setattr(TransferThread, "close", lambda self, *a, **k: (
+        order.append(f"thread alive={self.alive}"), real_close(self, *a, **k))[1])
+    w = PushWorker(geometry=GEOM, role="producer", engine_id="E",
+                   config=PushConfig(side_channel_port=0),
+                   transport_factory=lambda: FakeTransport(Wire(), "E"))
+    w.start()
+    w.close()
+    assert order == ["stop_listening", "thread alive=True", "close_lifelines"], order
+    # a worker closed without having started does not hang in the listener's shutdown
+    PushWorker(geometry=GEOM, role="producer", engine_id="F",
+               config=PushConfig(side_channel_port=0),
+               transport_factory=lambda: FakeTransport(Wire(), "F")).close()
 
 
 def test_any_message_counts_as_a_sign_of_life():

@@ -116,8 +116,10 @@ class Metrics:
             "sent to the client, by its source (prefill, decode)", ["endpoint", "mode", "source"],
             buckets=_LATENCY_BUCKETS, registry=r)
         self.ejections = Counter(
-            p + "backend_ejections", "Backends left out of selection for a while because a "
-            "connection to them could not be made", ["role"], registry=r)
+            p + "backend_ejections", "Backends taken out of selection for a while because a "
+            "connection to them could not be made (once per back-off: a backend tried while "
+            "already out, as when every backend of a role is down, is not counted again)",
+            ["role"], registry=r)
         self.leg_retries = Counter(
             p + "leg_retries", "Legs sent again to another server of their role after the "
             "first could not be connected to (nothing had been sent), by leg (decode; prefill: "
@@ -876,8 +878,10 @@ class Router:
     def _not_connected(self, backend: Backend) -> None:
         """A connection to ``backend`` could not be made: out of selection for a while."""
         self.builds.forget(backend.url)  # it may come back as another build
-        wait = backend.unreachable(time.monotonic())
-        self.metrics.ejections.labels(role=backend.role).inc()
+        now = time.monotonic()
+        if backend.up(now):  # in selection until now (not a probe of one already out)
+            self.metrics.ejections.labels(role=backend.role).inc()
+        wait = backend.unreachable(now)
         # once a minute while it lasts (the rest at DEBUG): a backend that is down is
         # tried by every request while no other of its role is up
         self._log.warn(f"unreachable {backend.url}", "%s %s cannot be connected to (%d in "
@@ -1039,9 +1043,9 @@ class Router:
             return False
         ex.p.release()
         ex.p, ex.p_unsent = lease, False
+        ex.d.release()  # (first: least-outstanding must not count the old slot)
         d = self.decode_pool.acquire(avoid=self.compat.avoided(lease.backend.url))
         assert d is not None
-        ex.d.release()
         ex.d = d
         return True
 
@@ -1066,13 +1070,16 @@ class Router:
                 sent.cancel()  # (a no-op once set)
             if ex.disconnect.done():
                 raise ClientGone
-            if connected or not ex.p_task.done() or ex.p_task.cancelled() or not ex.p_unsent:
-                return  # connected, or failed otherwise: dispatch's loop takes it from here
+            if connected or not ex.p_task.done() or ex.p_task.cancelled() \
+                    or ex.p_task.exception() is None:  # (exception(): retrieved, never logged)
+                return  # connected (or answered: a hook that did not fire): dispatch goes on
+            # P's leg failed before its headers went out: nothing of it reached P
+            if not ex.p_unsent:  # not a connect failure (a reset pooled connection, a proxy
+                ex.p_task.result()  # refusing): the client's error, and D gets nothing
             url = ex.p.backend.url
             tried.add(url)
             if not self._next_prefill(ex, tried):
                 ex.p_task.result()  # raises P's connect failure: D got nothing
-                return
             self.metrics.leg_retries.labels(leg="prefill").inc()
             logger.warning("tid=%s prefill leg: cannot connect to %s; sent to %s instead",
                            ex.tid, url, ex.p.backend.url)

@@ -105,6 +105,10 @@ class Incompatibility:
                 "reason": self.reason}
 
 
+#: at most one read of D's /metrics per pair this often after successes, where nothing asks for
+#: one sooner (refusals on record, or a rebase whose read failed): ``PairCompat.worked``
+REBASE_EVERY_S = 30.0
+
 #: how long the router steers requests away from a pair it found incompatible; then the pair
 #: may be picked again (a side may have been reconfigured: its next failure marks it again)
 AVOID_S = 30.0
@@ -120,6 +124,7 @@ class PairCompat:
         self._seen: dict[tuple[str, str], float] = {}  # refusals counted when last judged
         # refusals counted at the pair's last success (None: unknown, the next look tells)
         self._cleared: dict[tuple[str, str], float | None] = {}
+        self._rebased_at: dict[tuple[str, str], float] = {}  # when worked() last asked a read
 
     def judge(self, prefill: str, kv: str, decode: str,
               refusals: dict[str, tuple[str, float]] | None) -> Incompatibility | None:
@@ -165,18 +170,25 @@ class PairCompat:
 
     def worked(self, prefill: str, decode: str) -> bool:
         """A request through the pair succeeded: earlier refusals are history. True when D's
-        count is wanted now (``rebase``): the pair was found incompatible, a look saw more
-        refusals than the baseline holds, or a rebase is still pending. Not for every success
-        of a pair whose D refused it once, long ago: that read D's whole ``/metrics`` after
-        every request through the pair, for as long as D ran (a cold review's finding)."""
+        count is wanted now (``rebase``): at once when the pair was found incompatible or a
+        look saw more refusals than the baseline holds; where D has refusals on record (some
+        D may have counted since the router's last look) or a rebase's read failed, at most
+        every ``REBASE_EVERY_S``. (Asking after every success of a pair whose D refused it once,
+        long ago, read D's whole ``/metrics`` after every request through the pair, for as
+        long as D ran: a cold review's finding.) A pending rebase the router does not read is
+        taken by the pair's next look (``judge``)."""
         pair = (prefill, decode)
         self._found_at.pop(pair, None)
         was = self.incompatible.pop(pair, None) is not None
         if was:
             logger.info("prefill %s and decode %s work together again", prefill, decode)
         cleared, seen = self._cleared.get(pair, 0.0), self._seen.get(pair, 0.0)
-        if was or cleared is None or seen > cleared:
+        now = self.clock()
+        due = now - self._rebased_at.get(pair, -REBASE_EVERY_S) >= REBASE_EVERY_S
+        if was or (cleared is not None and seen > cleared) or (
+                due and (cleared is None or seen > 0)):
             self._cleared[pair] = None  # D's count now is unknown: rebase, or the next look
+            self._rebased_at[pair] = now
             return True
         return False
 
