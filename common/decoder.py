@@ -214,7 +214,9 @@ class Decoder:
         self._handshaking: set[int] = set()
         self._closed_early: set[int] = set()
         self._lifeline: dict[str, int] = {}  # producer agent -> token of its current lifeline
-        self._severs: dict[str, Callable[[], None]] = {}  # producer agent -> close its lifeline
+        # producer agent -> close each of its lifelines (one per handshake that reached it:
+        # two addresses of one producer make two); giving up on it closes them all
+        self._severs: dict[str, list[Callable[[], None]]] = {}
         # producer agents we gave up on -> when they count as dead (their lifeline is closed,
         # but WRITEs they posted before they noticed may still land until then)
         self._giving_up: dict[str, float] = {}
@@ -414,7 +416,6 @@ class Decoder:
         if self._lifeline.get(agent) != token:
             return
         del self._lifeline[agent]
-        self._severs.pop(agent, None)
         self.ctx.counters.inc("lifelines_broken")
         logger.error("kv_push: the side channel to producer %s broke (%s): no proof it is gone;"
                      " dropping it in %.0fs, once WRITEs it may have posted can no longer land",
@@ -465,7 +466,7 @@ class Decoder:
             self.staged.note_producer(peer.agent_name, welcome.staging)
         self._lifeline[peer.agent_name] = token
         if sever is not None:
-            self._severs[peer.agent_name] = sever
+            self._severs.setdefault(peer.agent_name, []).append(sever)
         remote.engine_id = welcome.engine_id
         remote.rank_peers[rank] = peer.agent_name
         self._refused.pop(remote.address, None)
@@ -743,9 +744,7 @@ class Decoder:
                          " closing its lifeline; dropping it once its WRITEs can no longer land",
                          told.agent, want.key, want.transfer_id, self.ctx.config.fence_timeout_s)
             self._lifeline.pop(told.agent, None)  # its closing is ours, not proof of its death
-            sever = self._severs.pop(told.agent, None)
-            if sever is not None:
-                sever()
+            self._sever_all(told.agent)
         self._check(want)
 
     def busy(self) -> bool:
@@ -786,9 +785,7 @@ class Decoder:
         if self.staged is not None:
             self.staged.forget_producer(name)
         self._lifeline.pop(name, None)
-        if (sever := self._severs.pop(name, None)) is not None:
-            with contextlib.suppress(OSError):
-                sever()  # (closed already when its closing told us; else its thread waits)
+        self._sever_all(name)  # (closed already when its closing told us; else they wait)
         self._giving_up.pop(name, None)
         for remote in list(self.remotes.values()):
             for rank, agent in list(remote.rank_peers.items()):
@@ -811,10 +808,14 @@ class Decoder:
         """Stop dialling, and close every lifeline to a producer: each learns at once that
         this decoder is gone (instead of when its process exits)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for sever in list(self._severs.values()):
+        for agent in list(self._severs):
+            self._sever_all(agent)
+
+    def _sever_all(self, agent: str) -> None:
+        """Close every lifeline to producer ``agent``: it drops us once none is left open."""
+        for sever in self._severs.pop(agent, ()):
             with contextlib.suppress(OSError):
                 sever()
-        self._severs.clear()
 
     def live(self) -> dict[str, int]:
         out = {"wants": len(self.by_reg), "parked": len(self.parked)}

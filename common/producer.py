@@ -266,18 +266,25 @@ class Producer:
                                               sides=("on the producer", "on the decoder"))
         except GeometryError as e:
             raise MessageRejected("bad_layout", f"decoder {hello.engine_id}: {e}") from None
+        known = self.ctx.peer(hello.agent_name) is not None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name,
-                          lifeline=hello.nonce)
+                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
+        try:
+            stages = self.staged is not None and self.staged.accept(hello.agent_name,
+                                                                    hello.staging)
+            if not stages:
+                self._warn_if_fragmented(hello)
+            welcome = Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
+                              agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
+                              compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports,
+                              nixl_version=self.ctx.nixl_version, staging=stages)
+        except Exception:
+            if not known:  # refused after all: no lifeline will ever drop what was added
+                self.ctx.peer_lost(hello.agent_name, "its handshake failed after it was added")
+            raise
         self.ctx.counters.inc("handshakes")
-        stages = self.staged is not None and self.staged.accept(hello.agent_name, hello.staging)
-        if not stages:
-            self._warn_if_fragmented(hello)
-        return Welcome(engine_id=self.ctx.engine_id, agent_name=self.ctx.agent_name,
-                       agent_metadata=self.ctx.metadata(), geometry=self.ctx.geometry,
-                       compat_hash=COMPAT_HASH, side_channel_ports=self.side_channel_ports,
-                       nixl_version=self.ctx.nixl_version, staging=stages)
+        return welcome
 
     # -- engine events -------------------------------------------------------------------------
     def prefill_done(self, key: str, transfer_id: str, block_ids: tuple[int, ...],

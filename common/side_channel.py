@@ -51,6 +51,7 @@ import socketserver
 import struct
 import threading
 import time
+from collections.abc import Collection
 from typing import Callable
 
 import msgspec
@@ -430,14 +431,15 @@ class SideChannelServer:
                  on_closed: Callable[[Hello], None] | None = None, max_connections: int = 1024,
                  on_release: Callable[[Release], ReleaseAck] | None = None,
                  on_release_reject: Callable[[str, str], None] | None = None,
-                 on_probe: Callable[[str], None] | None = None):
+                 on_probe: Callable[[str], None] | None = None,
+                 on_held: Callable[[Hello], None] | None = None):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
-        on_closed_, on_release_, on_probe_ = on_closed, on_release, on_probe
+        on_closed_, on_release_, on_probe_, on_held_ = on_closed, on_release, on_probe, on_held
         on_release_reject_ = on_release_reject or on_reject
         # lifelines held open (their handler threads wait in hold_lifeline): closed by close()
-        lifelines: set[socket.socket] = set()
+        lifelines: dict[socket.socket, str] = {}  # -> the decoder agent holding it
         lifelines_lock = threading.Lock()
         self._lifelines, self._lifelines_lock = lifelines, lifelines_lock
         self._lifelines_closed = False
@@ -523,16 +525,18 @@ class SideChannelServer:
                     return
                 if isinstance(reply, Welcome) and on_closed_ is not None:
                     hello = msg
+                    if on_held_ is not None:
+                        on_held_(hello)
                     with lifelines_lock:
                         if server_._lifelines_closed:  # (closing: nothing is held any more)
                             with contextlib.suppress(OSError):
                                 sock.shutdown(socket.SHUT_RDWR)
-                        lifelines.add(sock)
+                        lifelines[sock] = hello.agent_name
                     try:  # this handler thread waits
                         hold_lifeline(sock, lambda: on_closed_(hello))
                     finally:
                         with lifelines_lock:
-                            lifelines.discard(sock)
+                            lifelines.pop(sock, None)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -594,16 +598,17 @@ class SideChannelServer:
             self._thread.join(5)
         self._server.server_close()
 
-    def close_lifelines(self) -> None:
+    def close_lifelines(self, keep: Collection[str] = ()) -> None:
         """End every lifeline held open (and any a handler is about to hold): its decoder
         learns at once that this producer is gone -- so call it only once nothing of this
         producer's can be in flight any more (its transfer thread closed: a decoder frees its
         fenced blocks when the lifeline closes). A worker closed while its process lives on
         (``server_watch``) kept them, their handler threads and connection slots, until the
-        decoders died."""
+        decoders died. ``keep``: decoder agents whose lifelines stay open (a WRITE to them may
+        still be in flight: they end with the process)."""
         with self._lifelines_lock:
             self._lifelines_closed = True
-            held = list(self._lifelines)
+            held = [sock for sock, agent in self._lifelines.items() if agent not in keep]
         for sock in held:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

@@ -63,7 +63,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -88,9 +88,12 @@ class Peer:
     last_heard: float
     address: tuple[str, int] | None = None  # a producer's side channel, as the decoder dialled it
     heard: bool = False  # a notification from it has arrived since it was added
-    #: (producer) the nonce of the handshake that made this entry: only that handshake's
-    #: lifeline closing drops it (``peer_lost``), not an older one's of the same agent
-    lifeline: bytes = b""
+    #: (producer) the nonces of the handshakes whose lifelines from this peer are open
+    #: (``lifeline_held``); a lifeline closing drops the peer only once none is left
+    #: (``peer_lost``): a decoder that gave up on a slow handshake and made another is alive
+    #: on the newer one. Kept across ``add_peer`` (a kv_both worker's decoder role adds the
+    #: same agent without one)
+    lifelines: set = field(default_factory=set)
     silent: bool = False  # no message for peer_timeout_s (roles were told); cleared when it speaks
 
 
@@ -184,7 +187,7 @@ class RoleContext(Protocol):
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None,
-                 agent_name: str | None = None, lifeline: bytes = b"") -> Peer:
+                 agent_name: str | None = None) -> Peer:
         """Load a peer's transport metadata (once) and track it. Raises ``MessageRejected``
         ("layout_changed") if the agent is known with another geometry, ("name_mismatch") if
         ``agent_name`` (the name the peer gave in its handshake) is not the name the metadata
@@ -195,8 +198,8 @@ class RoleContext(Protocol):
 
     def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None) -> None:
         """(any thread) The peer is gone (its lifeline closed): drop it soon, on the thread; every
-        role's ``on_peer_dead`` is called. ``lifeline``: only if its entry was made by that
-        handshake."""
+        role's ``on_peer_dead`` is called. ``lifeline``: the handshake whose lifeline closed;
+        dropped only once none of its lifelines is open."""
 
     # -- transfers --
     def write(self, peer: str, src: np.ndarray, dst: np.ndarray, src_mem: str, dst_mem: str,
@@ -264,6 +267,9 @@ class TransferThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         self._drain_s = 0.0  # close(): how long WRITEs in flight may take to finish
+        #: peers closed on with a WRITE to them still in flight (no goodbye): their lifelines
+        #: must end with the process, not with this worker (``PushWorker.close``)
+        self.withheld: set[str] = set()
         #: unsolicited messages (heartbeat, goodbye) wait until the peer has spoken
         self._hold_until_heard = bool(transport.first_call_waits_for_peer)
 
@@ -351,7 +357,7 @@ class TransferThread:
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None,
-                 agent_name: str | None = None, lifeline: bytes = b"") -> Peer:
+                 agent_name: str | None = None) -> Peer:
         """Load a peer's agent metadata (once) and start tracking its liveness.
 
         ``agent_name``: the name the peer gave in its handshake; it must be the name NIXL reports
@@ -366,21 +372,34 @@ class TransferThread:
         if old is not None and old.geometry_digest != digest:
             raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
         peer = Peer(name, engine_id, tp_rank, geometry, digest, self.clock(), address,
-                    heard=old is not None and old.heard, lifeline=lifeline)
+                    heard=old is not None and old.heard,
+                    lifelines=set(old.lifelines) if old is not None else set())
         self.peers[name] = peer
         return peer
 
+    def lifeline_held(self, agent_name: str, lifeline: bytes) -> None:
+        """(any thread) The producer's side channel holds a lifeline from ``agent_name`` (the
+        handshake ``lifeline``, its Hello's nonce), after its Welcome went out."""
+        def note() -> None:
+            if (peer := self.peers.get(agent_name)) is not None:
+                peer.lifelines.add(lifeline)
+        if not self._closed:
+            self.submit(note)
+
     def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None) -> None:
         """(any thread) A peer's lifeline closed: drop it on the transfer thread, now.
-        ``lifeline`` (the producer's side: the nonce of the handshake whose lifeline closed):
-        drop it only if its entry was made by that handshake -- a decoder that gave up on a
-        slow handshake and made another is alive on the newer one."""
+        ``lifeline`` (the producer's side: the nonce of the handshake whose lifeline closed, or
+        whose Welcome could not be sent): dropped only once no lifeline of it is left open -- a
+        decoder that gave up on a slow handshake and made another is alive on the newer one,
+        and a decoder gives up on a producer by closing all of its own."""
         def drop() -> None:
             peer = self.peers.get(agent_name)
-            if peer is not None and lifeline is not None and peer.lifeline != lifeline:
-                logger.info("kv_push: an older handshake's lifeline of %s closed; it is kept "
-                            "on its newer one", agent_name)
-                return
+            if peer is not None and lifeline is not None:
+                peer.lifelines.discard(lifeline)
+                if peer.lifelines:
+                    logger.info("kv_push: a lifeline of %s closed; it is kept on another one "
+                                "(a newer handshake)", agent_name)
+                    return
             if peer is not None:
                 self.counters.inc("peers_dead")
                 self.drop_peer(peer, reason)
@@ -567,6 +586,7 @@ class TransferThread:
             writing = [role for role in self.roles
                        if getattr(role, "writing_to", None) and role.writing_to(name)]
             if writing:
+                self.withheld.add(name)  # its lifeline must stay open (PushWorker.close)
                 logger.warning("kv_push: closing with a WRITE to %s (engine %s rank %d) still in "
                                "flight: no goodbye (its lifeline ends with this process)",
                                name, peer.engine_id, peer.tp_rank)

@@ -128,6 +128,7 @@ class PushWorker:
                 timeout=self.config.handshake_timeout_s,
                 on_closed=lambda hello: self.thread.peer_lost(
                     hello.agent_name, "decoder closed its side channel", lifeline=hello.nonce),
+                on_held=lambda hello: self.thread.lifeline_held(hello.agent_name, hello.nonce),
                 max_connections=self.config.max_side_channel_connections,
                 on_release=self._accept_release,
                 on_release_reject=lambda reason, detail: self.counters.reject(
@@ -402,7 +403,7 @@ class PushWorker:
             # only now: a decoder frees its fenced blocks when our lifeline closes, so it must
             # not close while a WRITE of ours may still land in them (a thread that did not
             # stop in time may still have one: its lifelines close with the process)
-            self.side_channel.close_lifelines()
+            self.side_channel.close_lifelines(keep=self.thread.withheld)
 
     @staticmethod
     def _need(role, what: str):

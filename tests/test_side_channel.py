@@ -408,6 +408,22 @@ def test_a_producer_closing_its_side_channel_ends_its_lifelines(server):
     assert s.closed.get(timeout=WAIT) == s.hellos[0]  # and the handler thread is done
 
 
+def test_lifelines_of_decoders_still_being_written_stay_open_at_close(server):
+    """A producer closing with a WRITE to a decoder still in flight (its transfer thread's drain
+    ran out) must leave that decoder's lifeline open -- its closing would let the decoder free
+    the blocks the WRITE lands in -- and close the others."""
+    s = server(lifeline=True)
+    closed = {name: queue.SimpleQueue() for name in ("D0", "D1")}
+    for name in closed:
+        handshake("127.0.0.1", s.port, replace(HELLO, agent_name=name), Codec(), WAIT,
+                  on_closed=closed[name].put)
+    s.srv.stop_listening()
+    s.srv.close_lifelines(keep={"D0"})
+    assert closed["D1"].get(timeout=WAIT).agent_name == "P0"
+    with pytest.raises(queue.Empty):
+        closed["D0"].get(timeout=0.3)
+
+
 def test_a_peer_that_drips_its_frame_is_cut_off_at_the_time_out(server):
     """The time-out bounded each recv, not the frame: a peer sending a byte every 0.3 s held a
     handler thread and a connection slot for as long as it liked (1,024 such filled the side

@@ -505,25 +505,38 @@ def test_heartbeats_keep_a_peer_alive_and_silence_marks_it_unresponsive():
         h.close()
 
 
-def test_an_older_handshakes_lifeline_closing_keeps_the_peer_its_newer_one_made(h):
-    """A decoder gave up on a slow handshake (H1) and made another (H2); H1's lifeline closing
-    afterwards (or its Welcome failing to go out) dropped the peer H2 had made -- a live
-    decoder the producer then no longer knew. Only the newest handshake's lifeline drops it."""
+def test_a_decoder_is_dropped_once_none_of_its_lifelines_is_open(h):
+    """A decoder gave up on a slow handshake (H1) and made another (H2): H1's lifeline closing
+    (or its Welcome failing to go out) dropped the peer H2 had made -- a live decoder the
+    producer then no longer knew. A peer is dropped once none of its lifelines is open; a kv_both
+    worker's decoder role adding the same agent keeps them; a handshake whose Welcome never went
+    out, with no lifeline open, drops it (no zombie)."""
     meta = h.b.metadata()
     h.b.add_peer(h.meta_a)
 
-    def add(nonce: bytes) -> None:
+    def add() -> None:  # (a producer's accept_hello, or a kv_both worker's decoder role)
         h.t.call(lambda: h.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
-                                      digest=DIGEST, lifeline=nonce), TIMEOUT)
+                                      digest=DIGEST), TIMEOUT)
 
-    add(b"h1")
-    add(b"h2")
+    def peers() -> set:
+        return h.t.call(lambda: set(h.t.peers), TIMEOUT)
+
+    add()
+    h.t.lifeline_held("B", b"h1")
+    add()  # H2's accept_hello, then the decoder role's own add: the held lifelines stay
+    h.t.lifeline_held("B", b"h2")
+    add()
     h.t.peer_lost("B", "its side channel closed", lifeline=b"h1")
     sync(h.t)
-    assert h.role.dead == [] and h.t.call(lambda: set(h.t.peers), TIMEOUT) == {"B"}
+    assert h.role.dead == [] and peers() == {"B"}
     h.t.peer_lost("B", "its side channel closed", lifeline=b"h2")
     sync(h.t)
-    assert [p.agent_name for p in h.role.dead] == ["B"]
+    assert [p.agent_name for p in h.role.dead] == ["B"] and peers() == set()
+    # accepted, but its Welcome never went out and nothing else of it is open: dropped
+    add()
+    h.t.peer_lost("B", "its Welcome could not be sent", lifeline=b"h3")
+    sync(h.t)
+    assert len(h.role.dead) == 2 and peers() == set()
 
 
 def test_a_closing_producer_worker_ends_its_lifelines_only_after_its_thread(monkeypatch):
@@ -537,7 +550,8 @@ def test_a_closing_producer_worker_ends_its_lifelines_only_after_its_thread(monk
     for name in ("stop_listening", "close_lifelines"):
         real = getattr(SideChannelServer, name)
         monkeypatch.setattr(SideChannelServer, name,
-                            lambda self, _r=real, _n=name: (order.append(_n), _r(self))[1])
+                            lambda self, *a, _r=real, _n=name, **k: (order.append(_n),
+                                                                     _r(self, *a, **k))[1])
     real_close = TransferThread.close
     monkeypatch.setattr(TransferThread, "close", lambda self, *a, **k: (
         order.append(f"thread alive={self.alive}"), real_close(self, *a, **k))[1])
