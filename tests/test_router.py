@@ -1640,11 +1640,15 @@ def test_pool_leaves_out_a_backend_that_cannot_be_connected_to():
     assert picks == {"http://d1:1", "http://d2:1"}  # d0 has the fewest outstanding, but is down
     now[0] += 1.0
     assert d0.up(now[0]) and pool.acquire().backend is d0  # back: the fewest outstanding
-    assert d0.unreachable(now[0]) == 2.0 and d0.unreachable(now[0]) == 4.0
-    for _ in range(10):
+    assert d0.unreachable(now[0]) == 2.0  # failed again once back: doubled
+    # legs that were sent before it went out fail while it is out: no longer
+    assert d0.unreachable(now[0] + 0.5) == 1.5 and d0.connect_failures == 3
+    for _ in range(10):  # each back-off runs out, and the next try fails
+        now[0] = d0.down_until
         d0.unreachable(now[0])
     assert d0.down_until - now[0] == 30.0  # capped
     for _ in range(2000):  # a backend down for hours: 2 ** 1024 would overflow a float
+        now[0] = d0.down_until
         assert d0.unreachable(now[0]) == 30.0
     assert d0.reachable() and d0.connect_failures == 0 and d0.up(now[0])
     assert not d0.reachable()  # was not failing

@@ -7,7 +7,8 @@ were handed out and not yet released. Single-threaded: the router calls these fr
 
 A backend the router could not connect to (refused, no route, connect time-out: nothing was
 sent) is *down*: left out of selection for ``EJECT_BASE_S``, doubling with each further failure
-up to ``EJECT_MAX_S``; the first leg that connects to it again ends that. Without it, a dead
+once it is back in selection (failures while it is out do not lengthen it) up to ``EJECT_MAX_S``;
+the first leg that connects to it again ends that. Without it, a dead
 backend -- which fails at once and so always has the fewest outstanding legs -- would win
 nearly every pick. When every backend is down, the one due back first is picked (the leg is
 its probe).
@@ -45,6 +46,7 @@ class Backend:
         self._gauge = gauge
         self.proxy: str | None = None  # the legs' proxy from the environment (Router.start)
         self.connect_failures = 0  # in a row
+        self.ejections = 0  # back-offs in a row (the exponent: failures while out do not count)
         self.down_until = 0.0  # (monotonic) left out of selection until then
         #: (push, prefill) why its newest answer did not hold the prefill for a transfer
         #: (None: it did, or none came yet)
@@ -68,15 +70,21 @@ class Backend:
         return now >= self.down_until
 
     def unreachable(self, now: float) -> float:
-        """A connection to it failed: down for the next back-off (returned, in seconds)."""
+        """A connection to it failed: down for the next back-off, unless it is out already
+        (returns the seconds left). Failures that arrive while it is out -- legs sent before
+        it was taken out, probes while every backend of its role is down -- do not lengthen
+        it: six legs failing together pushed an outage from 1 s to the 30 s cap at once, so a
+        restarted server stayed unused for 30 s."""
         self.connect_failures += 1
-        wait = backoff_s(EJECT_BASE_S, self.connect_failures, EJECT_MAX_S)
-        self.down_until = now + wait
-        return wait
+        if now >= self.down_until:
+            self.ejections += 1
+            self.down_until = now + backoff_s(EJECT_BASE_S, self.ejections, EJECT_MAX_S)
+        return self.down_until - now
 
     def reachable(self) -> bool:
         """A leg connected to it: up again. True when it had been failing."""
         failing, self.connect_failures, self.down_until = self.connect_failures > 0, 0, 0.0
+        self.ejections = 0
         return failing
 
 
