@@ -7,7 +7,8 @@
   recompute`` the request is served by local prefill and ``load_failures{recompute}`` counts it.
 * ``TestKillMidStream`` -- kill -9 of P, then of D, with streams in flight: every request ends
   (served, or failed with an error), none hangs; the survivor holds no request and no KV block,
-  and keeps serving.
+  and keeps serving. Between the two, through a router over both P's, the dead P costs no
+  request (its P legs move to the live P before D's leg goes out; D never dials it).
 * ``TestReleaseOnHangUp`` -- the router's ``Release`` (P's ``rendezvous_ttl_s`` 120 s here): a
   storm of clients that hang up before D's first byte -- through a decode "server" that accepts
   and never answers (D's engine never sees any request, so only the router can make P let go),
@@ -312,9 +313,14 @@ class TestKillMidStream:
             up(servers)
             servers.append(r1 := front(env, "router-1", p1, kv1, d))
             servers.append(r2 := front(env, "router-2", p2, kv2, d))
+            # and one router over both P's (for the failover after P1's kill)
+            servers.append(both := router(
+                python=env["python"], port=free_port(), prefill=[(p1.url, kv1), (p2.url, kv2)],
+                decode=[d.url], log_dir=env["logs"], name="router-both"))
+            both.wait_healthy(60)
             for r in (r1, r2):  # warm: first steps and handshakes done
                 complete(r.url, prompts[2])
-            yield {"p1": p1, "p2": p2, "d": d, "r1": r1, "r2": r2}
+            yield {"p1": p1, "p2": p2, "d": d, "r1": r1, "r2": r2, "both": both}
         finally:
             stop(servers)
 
@@ -337,6 +343,34 @@ class TestKillMidStream:
         got = complete(trio["r2"].url, prompt, timeout=REQUEST_BOUND_S)["choices"][0]
         assert signature(got) == env["reference"][prompt]
         assert metric(d.url, "vllm:kv_push_transfers_done_total") > 0
+
+    def test_a_dead_prefill_costs_no_request_through_a_router_with_another(
+            self, trio, prompts, env, figures):
+        """P1 killed (by the test before; killed here if run alone): through a router over both
+        P's every request is served -- one that picks P1 cannot connect its P leg, and moves to
+        P2 before D's leg goes out, so D never dials P1's side channel -- also when P1's
+        ejection (1 s, then 2 s) has run out and it is tried again. Until 2026-12-06 each such
+        pick cost its client a 502."""
+        p1, d, url = trio["p1"], trio["d"], trio["both"].url
+        p1.kill9()
+        fails0 = metric(d.url, "vllm:kv_push_handshake_failures_total")
+        statuses = []
+        for round_ in range(3):
+            for i in range(4):  # round robin over the two P's: P1 is picked
+                prompt = prompts[(4 * round_ + i) % 8]
+                r = httpx.post(f"{url}/v1/completions", json=body(prompt),
+                               timeout=REQUEST_BOUND_S)
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    assert signature(r.json()["choices"][0]) == env["reference"][prompt]
+            time.sleep(2.5)  # past P1's back-off: it is tried again
+        retries = metric(url, "kv_push_router_leg_retries_total", leg="prefill")
+        figures("e2e faults", "a dead P among two: requests through the router served",
+                f"{statuses.count(200)}/{len(statuses)}", f"P legs moved to the live P: "
+                f"{retries:g}")
+        assert statuses == [200] * len(statuses), statuses
+        assert retries >= 2  # the first pick of P1, and one after its ejection ran out
+        assert metric(d.url, "vllm:kv_push_handshake_failures_total") == fails0
 
     def test_kill_decode_mid_stream(self, trio, prompts, env, figures):
         p2 = trio["p2"]
