@@ -269,7 +269,8 @@ class Producer:
         known = self.ctx.peer(hello.agent_name) is not None
         self.ctx.add_peer(hello.agent_metadata, engine_id=hello.engine_id,
                           tp_rank=hello.geometry.tp_rank, geometry=hello.geometry,
-                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name)
+                          digest=geometry_digest(hello.geometry), agent_name=hello.agent_name,
+                          made_by=hello.nonce)
         try:
             stages = self.staged is not None and self.staged.accept(hello.agent_name,
                                                                     hello.staging)

@@ -432,11 +432,13 @@ class SideChannelServer:
                  on_release: Callable[[Release], ReleaseAck] | None = None,
                  on_release_reject: Callable[[str, str], None] | None = None,
                  on_probe: Callable[[str], None] | None = None,
-                 on_held: Callable[[Hello], None] | None = None):
+                 on_held: Callable[[Hello], None] | None = None,
+                 on_unsent: Callable[[Hello], None] | None = None):
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
         on_closed_, on_release_, on_probe_, on_held_ = on_closed, on_release, on_probe, on_held
+        on_unsent_ = on_unsent
         on_release_reject_ = on_release_reject or on_reject
         # lifelines held open (their handler threads wait in hold_lifeline): closed by close()
         lifelines: dict[socket.socket, str] = {}  # -> the decoder agent holding it
@@ -520,8 +522,8 @@ class SideChannelServer:
                     send_frame(sock, codec_, reply)
                 except OSError as e:
                     on_reject_("handshake_io", f"reply to {peer}: {e}")
-                    if isinstance(reply, Welcome) and on_closed_ is not None:
-                        on_closed_(msg)  # accepted, but it never heard so: no lifeline
+                    if isinstance(reply, Welcome) and on_unsent_ is not None:
+                        on_unsent_(msg)  # accepted, but it never heard so: no lifeline
                     return
                 if isinstance(reply, Welcome) and on_closed_ is not None:
                     hello = msg

@@ -94,6 +94,9 @@ class Peer:
     #: on the newer one. Kept across ``add_peer`` (a kv_both worker's decoder role adds the
     #: same agent without one)
     lifelines: set = field(default_factory=set)
+    #: (producer) the nonce of the handshake whose ``accept_hello`` created this entry (empty:
+    #: another role made it): a Welcome that never went out drops only an entry it made
+    made_by: bytes = b""
     silent: bool = False  # no message for peer_timeout_s (roles were told); cleared when it speaks
 
 
@@ -187,7 +190,7 @@ class RoleContext(Protocol):
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None,
-                 agent_name: str | None = None) -> Peer:
+                 agent_name: str | None = None, made_by: bytes = b"") -> Peer:
         """Load a peer's transport metadata (once) and track it. Raises ``MessageRejected``
         ("layout_changed") if the agent is known with another geometry, ("name_mismatch") if
         ``agent_name`` (the name the peer gave in its handshake) is not the name the metadata
@@ -196,10 +199,12 @@ class RoleContext(Protocol):
     def peer(self, agent_name: str) -> Peer | None:
         """The live peer of that agent name, or None (never known, or dropped)."""
 
-    def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None) -> None:
+    def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None,
+                  held: bool = True) -> None:
         """(any thread) The peer is gone (its lifeline closed): drop it soon, on the thread; every
         role's ``on_peer_dead`` is called. ``lifeline``: the handshake whose lifeline closed;
-        dropped only once none of its lifelines is open."""
+        dropped only once none of its lifelines is open (``held`` False: a Welcome that never
+        went out, which drops only an entry that handshake made)."""
 
     # -- transfers --
     def write(self, peer: str, src: np.ndarray, dst: np.ndarray, src_mem: str, dst_mem: str,
@@ -357,7 +362,7 @@ class TransferThread:
 
     def add_peer(self, metadata: bytes, *, engine_id: str, tp_rank: int, geometry: KVGeometry,
                  digest: str, address: tuple[str, int] | None = None,
-                 agent_name: str | None = None) -> Peer:
+                 agent_name: str | None = None, made_by: bytes = b"") -> Peer:
         """Load a peer's agent metadata (once) and start tracking its liveness.
 
         ``agent_name``: the name the peer gave in its handshake; it must be the name NIXL reports
@@ -373,7 +378,8 @@ class TransferThread:
             raise MessageRejected("layout_changed", f"peer {name} changed its KV geometry")
         peer = Peer(name, engine_id, tp_rank, geometry, digest, self.clock(), address,
                     heard=old is not None and old.heard,
-                    lifelines=set(old.lifelines) if old is not None else set())
+                    lifelines=set(old.lifelines) if old is not None else set(),
+                    made_by=old.made_by if old is not None else made_by)
         self.peers[name] = peer
         return peer
 
@@ -386,7 +392,8 @@ class TransferThread:
         if not self._closed:
             self.submit(note)
 
-    def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None) -> None:
+    def peer_lost(self, agent_name: str, reason: str, lifeline: bytes | None = None,
+                  held: bool = True) -> None:
         """(any thread) A peer's lifeline closed: drop it on the transfer thread, now.
         ``lifeline`` (the producer's side: the nonce of the handshake whose lifeline closed, or
         whose Welcome could not be sent): dropped only once no lifeline of it is left open -- a
@@ -396,6 +403,8 @@ class TransferThread:
             peer = self.peers.get(agent_name)
             if peer is not None and lifeline is not None:
                 peer.lifelines.discard(lifeline)
+                if not held and peer.made_by != lifeline:
+                    return  # another handshake or role made it: not this one's to drop
                 if peer.lifelines:
                     logger.info("kv_push: a lifeline of %s closed; it is kept on another one "
                                 "(a newer handshake)", agent_name)

@@ -129,6 +129,9 @@ class PushWorker:
                 on_closed=lambda hello: self.thread.peer_lost(
                     hello.agent_name, "decoder closed its side channel", lifeline=hello.nonce),
                 on_held=lambda hello: self.thread.lifeline_held(hello.agent_name, hello.nonce),
+                on_unsent=lambda hello: self.thread.peer_lost(
+                    hello.agent_name, "its Welcome could not be sent", lifeline=hello.nonce,
+                    held=False),
                 max_connections=self.config.max_side_channel_connections,
                 on_release=self._accept_release,
                 on_release_reject=lambda reason, detail: self.counters.reject(

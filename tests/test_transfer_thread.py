@@ -514,9 +514,9 @@ def test_a_decoder_is_dropped_once_none_of_its_lifelines_is_open(h):
     meta = h.b.metadata()
     h.b.add_peer(h.meta_a)
 
-    def add() -> None:  # (a producer's accept_hello, or a kv_both worker's decoder role)
+    def add(made_by: bytes = b"") -> None:  # (a producer's accept_hello, or a decoder role)
         h.t.call(lambda: h.t.add_peer(meta, engine_id="B", tp_rank=0, geometry=GEOM,
-                                      digest=DIGEST), TIMEOUT)
+                                      digest=DIGEST, made_by=made_by), TIMEOUT)
 
     def peers() -> set:
         return h.t.call(lambda: set(h.t.peers), TIMEOUT)
@@ -532,11 +532,17 @@ def test_a_decoder_is_dropped_once_none_of_its_lifelines_is_open(h):
     h.t.peer_lost("B", "its side channel closed", lifeline=b"h2")
     sync(h.t)
     assert [p.agent_name for p in h.role.dead] == ["B"] and peers() == set()
-    # accepted, but its Welcome never went out and nothing else of it is open: dropped
+    # a Welcome that never went out: the entry another role made (kv_both) stays; the entry
+    # its own accept_hello made, with nothing else of it open, goes (no zombie)
     add()
-    h.t.peer_lost("B", "its Welcome could not be sent", lifeline=b"h3")
+    h.t.peer_lost("B", "its Welcome could not be sent", lifeline=b"h3", held=False)
     sync(h.t)
-    assert len(h.role.dead) == 2 and peers() == set()
+    assert len(h.role.dead) == 1 and peers() == {"B"}
+    h.t.call(lambda: h.t.drop_peer(h.t.peers["B"], "test"), TIMEOUT)
+    add(made_by=b"h4")
+    h.t.peer_lost("B", "its Welcome could not be sent", lifeline=b"h4", held=False)
+    sync(h.t)
+    assert len(h.role.dead) == 3 and peers() == set()
 
 
 def test_a_closing_producer_worker_ends_its_lifelines_only_after_its_thread(monkeypatch):
