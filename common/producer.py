@@ -201,23 +201,31 @@ def _wants_nothing(claim: Claim) -> bool:
 
 
 
-def _note_bounded(seen: "OrderedDict[Any, float]", key: Any, now: float) -> int:
-    """Note ``key`` as seen ``now`` in a bounded record (``MAX_RELEASED_TIDS``, oldest out).
-    Returns how many were dropped to make room (the caller counts them: ``forgotten``)."""
-    seen[key] = now
+def _note_ordered(seen: "OrderedDict[Any, Any]", key: Any, value: Any) -> None:
+    """Set ``key`` (newest last): a record that ``_sweep`` ages out oldest first, up to the
+    first entry still within its time-out, instead of scanning it whole."""
+    seen[key] = value
     seen.move_to_end(key)
-    dropped = 0
-    while len(seen) > MAX_RELEASED_TIDS:
+
+
+def _note_bounded(seen: "OrderedDict[Any, float]", key: Any, now: float) -> int:
+    """``_note_ordered`` in a record bounded at ``MAX_RELEASED_TIDS`` (oldest out). Returns how
+    many were dropped to make room (the caller counts them: ``forgotten``)."""
+    _note_ordered(seen, key, now)
+    dropped = max(0, len(seen) - MAX_RELEASED_TIDS)
+    for _ in range(dropped):
         seen.popitem(last=False)
-        dropped += 1
     return dropped
 
 
-def _note_ordered(seen: "OrderedDict[Any, Any]", key: Any, value: Any) -> None:
-    """Set ``key`` (newest last): a record that is swept oldest first, up to the first entry
-    still within its time-out, instead of scanned whole."""
-    seen[key] = value
-    seen.move_to_end(key)
+def _sweep(seen: "OrderedDict[Any, Any]", now: float, ttl: float,
+           when: Callable[[Any], float] = lambda v: v) -> None:
+    """Drop the entries of a ``_note_ordered`` record older than ``ttl``, oldest first."""
+    while seen:
+        key, value = next(iter(seen.items()))
+        if now - when(value) <= ttl:
+            return
+        del seen[key]
 
 
 class Producer:
@@ -236,7 +244,7 @@ class Producer:
         self.readers: dict[str, int] = {}  # source key -> jobs reading it
         # (request, d_rank) -> what was answered; requests whose source is gone -> when. Both
         # oldest first (_note_ordered), kept rendezvous_ttl_s: the sweep stops at the first
-        # young entry (a whole scan each second took 77 ms at 100k entries on a 2-core box)
+        # young entry instead of scanning every entry each second
         self.answered: OrderedDict[tuple[RequestKey, int], _Answered] = OrderedDict()
         self.tombstones: OrderedDict[RequestKey, float] = OrderedDict()
         # transfer ids the router released -> when (bounded: MAX_RELEASED_TIDS, rendezvous_ttl_s)
@@ -850,26 +858,19 @@ class Producer:
             self._settle(src.rdv_key)
         ttl = self.ctx.config.rendezvous_ttl_s
         for remembered in (self.tombstones, self.released_tids, self.expired_keys):
-            while remembered:  # oldest first
-                key, when = next(iter(remembered.items()))
-                if now - when <= ttl:
-                    break
-                del remembered[key]
-        while self.answered:
-            key, seen = next(iter(self.answered.items()))
-            if now - seen.when <= ttl:
-                break
-            del self.answered[key]
+            _sweep(remembered, now, ttl)
+        _sweep(self.answered, now, ttl, when=lambda seen: seen.when)
 
     def _forgot(self, record: str, dropped: int) -> None:
         """``dropped`` entries of ``record`` (released_tids, expired_keys) made room for newer
         ones before their TTL: counted and said (once a minute), never silent."""
         if dropped:
             self.ctx.counters.inc("forgotten", dropped, label=record)
-            self._forgot_log.warn(record, "kv_push: more than %d %s within rendezvous_ttl_s (%.0f s): "
-                             "the oldest are forgotten early, so a prefill of such a transfer "
-                             "that finishes later is held until its TTL instead of freed at once",
-                             MAX_RELEASED_TIDS, record, self.ctx.config.rendezvous_ttl_s)
+            self._forgot_log.warn(
+                record, "kv_push: more than %d %s within rendezvous_ttl_s (%.0f s): the oldest "
+                "are forgotten early, so a prefill of such a transfer that finishes later is "
+                "held until its TTL instead of freed at once", MAX_RELEASED_TIDS, record,
+                self.ctx.config.rendezvous_ttl_s)
 
     def _warn_if_fragmented(self, hello: Hello) -> None:
         """Say once per decoder layout when the region path into it needs far more descriptors

@@ -34,7 +34,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,7 +57,7 @@ from kv_push.common.router.config import RouterConfig, kv_mismatch, parse_args
 from kv_push.common.router.first_token import (
     DecodeFilter, FirstTokenMismatch, PrefillAnswerHead, first_token_events, ineligible,
 )
-from kv_push.common.router.pool import Backend, BackendPool
+from kv_push.common.router.pool import Backend, BackendPool, Lease
 from kv_push.common.router.release import ReleaseSender
 from kv_push.common.router.sse import StreamHead
 from kv_push.common.side_channel import probe as probe_side_channel
@@ -348,6 +348,16 @@ def _leg_traces() -> list[aiohttp.TraceConfig]:
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(_on_headers_sent)
     return [trace]
+
+
+def _acquire_up(pool: BackendPool, tried: set[str], avoid: Collection[str] = ()
+                ) -> Lease | None:
+    """A slot on a backend of ``pool`` that is up and not in ``tried`` (a leg moving on after
+    a connection failure: never to one left out of selection), preferring those not in
+    ``avoid``; None when there is none."""
+    now = time.monotonic()
+    down = {b.url for b in pool.backends if not b.up(now)}
+    return pool.acquire(avoid=avoid, exclude=tried | down)
 
 
 async def _wait_disconnect(receive: Any) -> None:
@@ -878,10 +888,10 @@ class Router:
     def _not_connected(self, backend: Backend) -> None:
         """A connection to ``backend`` could not be made: out of selection for a while."""
         self.builds.forget(backend.url)  # it may come back as another build
-        now = time.monotonic()
-        if backend.up(now):  # in selection until now (not a probe of one already out)
+        ejections = backend.ejections
+        wait = backend.unreachable(time.monotonic())
+        if backend.ejections > ejections:  # taken out now (not a probe of one already out)
             self.metrics.ejections.labels(role=backend.role).inc()
-        wait = backend.unreachable(now)
         # once a minute while it lasts (the rest at DEBUG): a backend that is down is
         # tried by every request while no other of its role is up
         self._log.warn(f"unreachable {backend.url}", "%s %s cannot be connected to (%d in "
@@ -1036,9 +1046,7 @@ class Router:
         """Move ``ex`` (neither leg sent yet) to another prefill server that is up and not in
         ``tried``, and choose its decode server again for that P (``compat``); False when
         there is none."""
-        now = time.monotonic()
-        down = {b.url for b in self.prefill_pool.backends if not b.up(now)}
-        lease = self.prefill_pool.acquire(exclude=tried | down)
+        lease = _acquire_up(self.prefill_pool, tried)
         if lease is None:
             return False
         ex.p.release()
@@ -1087,10 +1095,7 @@ class Router:
     def _next_decode(self, ex: Exchange, tried: set[str]) -> bool:
         """Move ``ex``'s D leg to another decode server that is up and not in ``tried``
         (preferring one compatible with its P); False when there is none."""
-        now = time.monotonic()
-        down = {b.url for b in self.decode_pool.backends if not b.up(now)}
-        lease = self.decode_pool.acquire(avoid=self.compat.avoided(ex.p.backend.url),
-                                         exclude=tried | down)
+        lease = _acquire_up(self.decode_pool, tried, avoid=self.compat.avoided(ex.p.backend.url))
         if lease is None:
             return False
         ex.d.release()
@@ -1294,18 +1299,19 @@ class Router:
 
     def _decode_params(self, ex: Exchange) -> dict | None:
         """D's ``kv_transfer_params`` for the concurrent modes; ``None`` means "ask P first"."""
+        if not self._concurrent(ex):
+            return None
         spec = ex.p.backend.spec
         assert spec is not None
         if self.config.mode == "push":
             return self.signer.sign({"transfer_id": ex.tid, "do_remote_prefill": True,
                                      "remote_host": spec.kv_host, "remote_port": spec.kv_port})
-        if self.config.mode == "upstream-push" and (peer := self.peers.get(spec.url)):
-            # remote_request_id: present (metadata.py indexes it) but None (P's id is unknown).
-            return {"do_remote_prefill": True, "do_remote_decode": False,
-                    "remote_engine_id": peer.engine_id, "remote_request_id": None,
-                    "remote_host": spec.kv_host, "remote_port": spec.kv_port,
-                    "tp_size": peer.tp_size, "pp_size": peer.pp_size}
-        return None
+        peer = self.peers[spec.url]  # upstream-push, P's engine id known (_concurrent)
+        # remote_request_id: present (metadata.py indexes it) but None (P's id is unknown).
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": peer.engine_id, "remote_request_id": None,
+                "remote_host": spec.kv_host, "remote_port": spec.kv_port,
+                "tp_size": peer.tp_size, "pp_size": peer.pp_size}
 
     async def _await(self, ex: Exchange, task: asyncio.Task) -> Any:
         """Wait for one leg; raise :class:`ClientGone` if the client leaves first."""
