@@ -1078,6 +1078,33 @@ async def test_bad_json_is_400():
         assert not c.prefills[0].records and not c.decodes[0].records
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+async def test_both_legs_get_the_clients_values_whatever_json_the_client_wrote(mode: str):
+    """The router reads the client's body with msgspec and writes the legs' with it
+    (``body_json``); a body msgspec refuses -- ``NaN``, ``Infinity``, a lone surrogate escape,
+    all of which Python's json takes -- still reaches P and D with the values Python's json
+    read. Big integers, non-ASCII text, U+2028 and escapes reach both legs unchanged; every
+    leg says its body is JSON."""
+    strict = (rb'{"model": "m", "prompt": "caf\u00e9 \u2028 \"q\" \\ \ud83d\ude00 '
+              rb'\u00ff", "max_tokens": 16, "temperature": 0.1, "top_p": 1e-7,'
+              rb' "user": "\u4e2d\u6587", "seed": 123456789012345678901234567890}')
+    lax = (rb'{"model": "m", "prompt": "x \ud800 y", "max_tokens": 16, "temperature": NaN,'
+           rb' "top_k": Infinity, "logit_bias": {"5": -Infinity}}')
+    async with cluster(mode=mode) as c:
+        (p,), (d,) = c.prefills, c.decodes
+        for n, raw in enumerate((strict, lax), start=1):
+            r = await c.client.post("/v1/completions", content=raw,
+                                    headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+            await eventually(lambda: len(p.records) == n and p.records[-1].completed, "P leg")
+            want = json.loads(raw)
+            for rec, keys in ((p.records[-1], set(want) - {"max_tokens", "seed"}),
+                              (d.records[-1], set(want))):
+                assert rec.headers["content-type"] == "application/json"
+                # repr: NaN equals nothing, and a lone surrogate is shown as its escape
+                assert {k: repr(rec.body[k]) for k in keys} == {k: repr(want[k]) for k in keys}
+        await eventually(lambda: all_idle(c), "router to be idle")
+
 # -- metrics, health, models -------------------------------------------------------------------
 
 
@@ -1754,10 +1781,10 @@ async def test_a_prefill_leg_failing_before_its_headers_went_out_sends_decode_no
     that would wait for P's prefill (a cold review saw D get one)."""
     real = Router._post_leg
 
-    async def post_leg(self, backend, endpoint, body, headers, sent=None):
+    async def post_leg(self, backend, endpoint, body, headers, sent=None, *args, **kwargs):
         if sent is not None:  # the P leg
             raise aiohttp.ClientOSError(104, "Connection reset by peer")
-        return await real(self, backend, endpoint, body, headers, sent)
+        return await real(self, backend, endpoint, body, headers, sent, *args, **kwargs)
 
     monkeypatch.setattr(Router, "_post_leg", post_leg)
     async with cluster() as c:

@@ -51,6 +51,7 @@ from kv_push.common import timing
 from kv_push.common.auth import SecretError, TransferParamsSigner
 from kv_push.common.metrics import LogLimiter
 from kv_push.common.router import limits
+from kv_push.common.router.body_json import read_body, write_body
 from kv_push.common.router.builds import Build, BuildBook, read_build
 from kv_push.common.router.compat import PairCompat, parse_refusals, without_addresses
 from kv_push.common.router.config import RouterConfig, kv_mismatch, parse_args
@@ -455,8 +456,12 @@ class PeerInfo:
 class Exchange:
     """One client request: its backends, transfer id, leg tasks, and clean-up."""
 
-    def __init__(self, router: Router, endpoint: str, body: dict, request: Request) -> None:
+    def __init__(self, router: Router, endpoint: str, body: dict, request: Request,
+                 strict_json: bool = True) -> None:
         self.router, self.endpoint, self.body = router, endpoint, body
+        #: the client's body was strict JSON: the legs' bodies are written by msgspec
+        #: (``body_json``), else as Python's json module writes them
+        self.strict_json = strict_json
         self.stream = wants_stream(body)
         self.tid = uuid.uuid4().hex
         # the client's X-Request-Id, as one vLLM server takes it: its legs carry it (vLLM names
@@ -869,14 +874,16 @@ class Router:
     # -- legs ----------------------------------------------------------------------------------
 
     async def _post_leg(self, backend: Backend, endpoint: str, body: dict, headers: dict,
-                        sent: asyncio.Future | None = None) -> LegResponse:
+                        sent: asyncio.Future | None = None, strict: bool = True
+                        ) -> LegResponse:
         """POST one leg to ``backend`` (its response's headers read; raises LEG_ERRORS). A
         connection that cannot be made takes the backend out of selection for a while
         (``pool``); one that is made puts it back. ``sent``: set once the request's headers
         are written (its connection was made), long before the answer."""
         assert self.legs is not None
         try:
-            resp = await self.legs.post(backend.url + endpoint, json=body, headers=headers,
+            resp = await self.legs.post(backend.url + endpoint, data=write_body(body, strict),
+                                        headers={**headers, "Content-Type": "application/json"},
                                         allow_redirects=False, proxy=backend.proxy,
                                         trace_request_ctx=sent)
         except CONNECT_ERRORS:
@@ -913,7 +920,8 @@ class Router:
         reading_on = False
         try:
             try:
-                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers, sent)
+                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers, sent,
+                                            ex.strict_json)
                 if body.get("stream") and resp.status_code < 400:
                     # one token, streamed: its events (first_token.py), once they hold it
                     sse, reading_on = await self._prefill_events(ex, resp)
@@ -983,7 +991,8 @@ class Router:
         while True:
             url = ex.d.backend.url
             try:
-                resp = await self._post_leg(ex.d.backend, ex.endpoint, body, headers)
+                resp = await self._post_leg(ex.d.backend, ex.endpoint, body, headers,
+                                            strict=ex.strict_json)
                 break
             except LEG_ERRORS as exc:
                 tried.add(url)
@@ -1416,7 +1425,7 @@ class Router:
         """Serve one completions / chat completions request."""
         labels = {"endpoint": endpoint, "mode": self.config.mode}
         try:
-            body = json.loads(await request.body())
+            body, strict = read_body(await request.body())
             if not isinstance(body, dict):
                 raise ValueError("the request body must be a JSON object")
         except ValueError as exc:
@@ -1427,7 +1436,7 @@ class Router:
             # or D when P returned none) and make its connector act on client-chosen
             # addresses; the legs get only the router's, signed where a secret is set
             logger.debug("router: a client's kv_transfer_params dropped")
-        ex = Exchange(self, endpoint, body, request)
+        ex = Exchange(self, endpoint, body, request, strict_json=strict)
         handed_off = False
         try:
             d = await self.dispatch(ex, request)
