@@ -19,6 +19,12 @@ Usage::
     .venv/bin/python benchmarks/bench_router_overhead.py          # ~1 min
     # idle between requests, token-id prompts (as bench_serving.py's concurrency-1 point)
     .venv/bin/python benchmarks/bench_router_overhead.py --gap-s 0.01 --prompt-tokens 512
+    # against an earlier commit's router, alternating on the same fakes
+    git worktree add /tmp/base <commit>
+    .venv/bin/python benchmarks/bench_router_overhead.py --baseline /tmp/base --out ...
+
+Each router's CPU time per request it served (``cpu_ms_per_request``, from ``/proc``) is
+written beside its TTFT.
 """
 
 from __future__ import annotations
@@ -84,26 +90,52 @@ def _stats(v: list[float]) -> dict:
             "min_ms": v[0]}
 
 
-def hop(p_url: str, d_url: str, n: int, gap_s: float = 0.0, prompt_tokens: int = 0) -> dict:
-    import httpx
+def _cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far (``/proc/<pid>/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start_router(p_url: str, d_url: str, source: str | None) -> tuple[subprocess.Popen, str]:
+    """The router on core 0; ``source``: a checkout whose router runs instead of this one."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    if source:  # a shim folder holding only kv_push -> that checkout, first on sys.path
+        shim = Path(f"/tmp/bench_router_shim_{os.getpid()}_{port}")
+        shim.mkdir(exist_ok=True)
+        link = shim / "kv_push"
+        if not link.exists():
+            link.symlink_to(Path(source).resolve())
+        env["PYTHONPATH"] = f"{shim}{os.pathsep}{env.get('PYTHONPATH', '')}"
     router = subprocess.Popen(
         ["taskset", "-c", "0", sys.executable, "-m", "kv_push.common.router", "--port",
          str(port), "--mode", "push", "--prefill", f"{p_url},kv=127.0.0.1:9", "--decode", d_url,
-         "--log-level", "warning"], cwd=REPO, env={**os.environ, "PYTHONSAFEPATH": "1"},
+         "--log-level", "warning"], cwd="/", env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    return router, f"http://127.0.0.1:{port}"
+
+
+def hop(p_url: str, d_url: str, n: int, gap_s: float = 0.0, prompt_tokens: int = 0,
+        baseline: str | None = None) -> dict:
+    """Streaming TTFT straight to D, through the router and (``baseline``: a checkout) through
+    that checkout's router, alternating; each router's CPU time per request it served."""
+    import httpx
+    routers = {"router": _start_router(p_url, d_url, None)}
+    if baseline:
+        routers["baseline_router"] = _start_router(p_url, d_url, baseline)
     try:
-        r_url = f"http://127.0.0.1:{port}"
         client = httpx.Client(timeout=30)
-        for _ in range(100):
-            try:
-                if client.get(r_url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        for _, r_url in routers.values():
+            for _ in range(100):
+                try:
+                    if client.get(r_url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         # a token-id list as the benchmarks send (--prompt-tokens), else a 300-word string
         prompt = list(range(10, 10 + prompt_tokens)) if prompt_tokens else "hello " * 300
         body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0,
@@ -120,19 +152,29 @@ def hop(p_url: str, d_url: str, n: int, gap_s: float = 0.0, prompt_tokens: int =
             return first
 
         for _ in range(20):
-            ttft(d_url), ttft(r_url)
-        direct, routed = [], []
-        for _ in range(n):
-            direct.append(ttft(d_url))
-            time.sleep(gap_s)
-            routed.append(ttft(r_url))
-            time.sleep(gap_s)
-        out = {"direct": _stats(direct), "router": _stats(routed)}
-        out["added_p50_ms"] = out["router"]["p50_ms"] - out["direct"]["p50_ms"]
+            ttft(d_url)
+            for _, r_url in routers.values():
+                ttft(r_url)
+        times: dict[str, list[float]] = {"direct": [], **{k: [] for k in routers}}
+        cpu0 = {k: _cpu_s(proc.pid) for k, (proc, _) in routers.items()}
+        order = ["direct", *routers]
+        urls = {"direct": d_url, **{k: u for k, (_, u) in routers.items()}}
+        for i in range(n):
+            for k in order[i % len(order):] + order[:i % len(order)]:  # rotating order
+                times[k].append(ttft(urls[k]))
+                time.sleep(gap_s)
+        out: dict = {k: _stats(v) for k, v in times.items()}
+        for k, (proc, _) in routers.items():
+            out[k]["cpu_ms_per_request"] = (_cpu_s(proc.pid) - cpu0[k]) / n * 1000
+            out[k]["added_p50_ms"] = out[k]["p50_ms"] - out["direct"]["p50_ms"]
+        out["added_p50_ms"] = out["router"]["added_p50_ms"]
+        if baseline:
+            out["baseline"] = baseline
         return out
     finally:
-        router.kill()
-        router.wait()
+        for proc, _ in routers.values():
+            proc.kill()
+            proc.wait()
 
 
 def clients(p_url: str, d_url: str, n: int) -> dict:
@@ -204,13 +246,17 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="send a token-id list of this length (the benchmarks' prompts) instead "
                          "of a 300-word string")
+    ap.add_argument("--baseline", default=None, metavar="CHECKOUT",
+                    help="also run the router of this checkout (e.g. a git worktree of an "
+                         "earlier commit), alternating with this one's on the same fakes")
     args = ap.parse_args()
     fakes = subprocess.Popen(["taskset", "-c", "1", sys.executable, __file__, "--fakes"],
                              stdout=subprocess.PIPE, text=True)
     try:
         p_url, d_url = fakes.stdout.readline().split()
         load0 = os.getloadavg()
-        result = {"hop": hop(p_url, d_url, args.requests, args.gap_s, args.prompt_tokens),
+        result = {"hop": hop(p_url, d_url, args.requests, args.gap_s, args.prompt_tokens,
+                              args.baseline),
                   "clients": clients(p_url, d_url, args.requests)}
         load1 = os.getloadavg()
     finally:
@@ -225,8 +271,12 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     h, c = result["hop"], result["clients"]
+    base = (f"; baseline router {h['baseline_router']['p50_ms']:.2f} ms, CPU "
+            f"{h['baseline_router']['cpu_ms_per_request']:.3f} ms/request"
+            if "baseline_router" in h else "")
     print(f"TTFT direct {h['direct']['p50_ms']:.2f} ms, through the router "
-          f"{h['router']['p50_ms']:.2f} ms (added {h['added_p50_ms']:.2f} ms, p50); leg pair: "
+          f"{h['router']['p50_ms']:.2f} ms (added {h['added_p50_ms']:.2f} ms, p50; its CPU "
+          f"{h['router']['cpu_ms_per_request']:.3f} ms/request){base}; leg pair: "
           f"httpx {c['httpx']['p50_ms']:.2f} ms, aiohttp {c['aiohttp']['p50_ms']:.2f} ms "
           f"(with trust_env {c['aiohttp_trust_env']['p50_ms']:.2f} ms); "
           f"wrote {out}")
