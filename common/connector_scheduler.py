@@ -79,7 +79,7 @@ from typing import Any, Callable, Iterable
 
 from . import timing
 from .auth import SIG_KEY, ParamsSignatureError, verify_transfer_params
-from .messages import MAX_ID_CHARS, prompt_digest
+from .messages import MAX_ID_CHARS, prompt_digest, wire_id
 from .metrics import Counters, LogLimiter
 
 logger = logging.getLogger(__name__)
@@ -188,6 +188,7 @@ class TransferParams:
                 raise TransferParamsError(
                     f"upstream-form kv_transfer_params: request id {request_id!r} names no "
                     f"transfer (send both legs with one non-empty X-Request-Id)")
+            tid = wire_id(tid)  # a long X-Request-Id: its digest, on both legs alike
         else:
             tid = raw.get("transfer_id")
         if not isinstance(tid, str) or not tid or len(tid) > MAX_ID_CHARS:
@@ -199,10 +200,6 @@ class TransferParams:
         host, port = "", 0  # a producer leg dials nobody: whatever it names is ignored
         if prefill:
             host, port = raw.get("remote_host", ""), raw.get("remote_port", 0)
-            if len(request_id) > MAX_ID_CHARS:  # D registers under it: P would refuse it
-                raise TransferParamsError(
-                    f"the request id must be at most {MAX_ID_CHARS} characters to be registered "
-                    f"with the producer, got {len(request_id)} (shorten X-Request-Id)")
             if not isinstance(host, str) or not host:
                 raise TransferParamsError(f"remote_host must be a host name, got {host!r}")
             try:

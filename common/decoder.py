@@ -90,6 +90,7 @@ from .messages import (
     Welcome,
     WriteDone,
     geometry_digest,
+    wire_id,
 )
 from .metrics import LogLimiter, log_key
 from .nixl_compat import check_peer_nixl
@@ -253,7 +254,7 @@ class Decoder:
             self.superseded[key] = self.superseded.get(key, 0) + 1
             self._fence(old, "released", f"superseded by attempt {attempt}")
         now = self.ctx.clock()
-        want = _Want(key, key, transfer_id, prompt_digest, attempt,
+        want = _Want(key, wire_id(key), transfer_id, prompt_digest, attempt,
                      (address[0], int(address[1])), tuple(block_ids), first_token, num_tokens,
                      now + self.ctx.config.transfer_timeout_s, now)
         self.wants[key] = want

@@ -81,6 +81,21 @@ class Slot(msgspec.Struct, frozen=True, kw_only=True):
 
 #: longest ``reg_id`` / ``prompt_digest`` / released transfer id accepted on the wire
 MAX_ID_CHARS = 256
+#: what :func:`wire_id` puts before the digest of an id too long for the wire
+WIRE_ID_DIGEST = "sha256:"
+
+
+def wire_id(ident: str) -> str:
+    """``ident`` as a registration or transfer id on the wire: itself where it fits
+    :data:`MAX_ID_CHARS`, else ``sha256:`` and its digest (71 characters). An engine request id
+    grows past the limit from a long client ``X-Request-Id`` (vLLM adds its prefix, index and
+    random suffix), so D registers under this and the upstream form's transfer id is this:
+    both ends derive it alike, and such a request keeps its KV transfer. A request id holding
+    lone surrogates (a header that was not UTF-8) is digested as its code points are."""
+    if len(ident) <= MAX_ID_CHARS:
+        return ident
+    return WIRE_ID_DIGEST + hashlib.sha256(ident.encode("utf-8", "surrogatepass")).hexdigest()
+
 #: most transfer ids one ``Release`` may name
 MAX_RELEASE_IDS = 1024
 

@@ -19,6 +19,7 @@ from kv_push.common import geometry as G
 from kv_push.common.decoder import Decoder, Outcome
 from kv_push.common.messages import (
     COMPAT_HASH,
+    MAX_ID_CHARS,
     Cancel,
     CancelAck,
     Goodbye,
@@ -28,6 +29,7 @@ from kv_push.common.messages import (
     Welcome,
     WriteDone,
     geometry_digest,
+    wire_id,
 )
 from kv_push.common.producer import Producer
 from kv_push.common.side_channel import HandshakeError, HandshakeRefused
@@ -188,6 +190,28 @@ def test_expect_handshakes_registers_and_reports_received():
     b.expect("req-2", "t2", blocks=(4, 5))
     assert len(b.handshakes) == 1
     assert b.got() == [b.registration("t2", blocks=(4, 5), reg="req-2")]
+
+
+def test_an_engine_request_id_too_long_for_the_wire_registers_under_its_digest():
+    """vLLM's engine request id is the client's X-Request-Id plus a prefix and suffixes: from
+    about 241 characters of X-Request-Id on it is longer than a registration id may be on the
+    wire (P refuses it), so D registers under its digest (``messages.wire_id``) and maps the
+    producer's answers back to the engine's key -- such a request keeps its KV transfer (it
+    was refused, and D computed the prompt itself). Two long keys sharing their first 256
+    characters are still two registrations."""
+    b = Bench()
+    long_a, long_b = "cmpl-" + "x" * 300 + "-0", "cmpl-" + "x" * 300 + "-1"
+    b.expect(long_a, blocks=(2, 3))
+    b.expect(long_b, "t2", blocks=(4, 5))
+    reg_a, reg_b = wire_id(long_a), wire_id(long_b)
+    assert reg_a != reg_b and reg_a.startswith("sha256:") and len(reg_a) <= MAX_ID_CHARS
+    assert b.got() == [b.registration(reg=reg_a),
+                       b.registration("t2", blocks=(4, 5), reg=reg_b)]
+    b.write_done(tid="t2", reg=reg_b)
+    b.write_done(reg=reg_a)
+    assert b.outcomes() == [Outcome(long_b, "received"), Outcome(long_a, "received")]
+    assert b.wants() == 0
+    assert wire_id("req-1") == "req-1"  # one that fits is itself
 
 
 def test_the_engine_is_told_of_an_outcome_or_verdict_as_it_is_put():

@@ -374,6 +374,30 @@ def test_upstream_form_from_the_client_matches_single_server(stack, prompts, fig
             waited)
 
 
+def test_a_long_x_request_id_keeps_the_kv_transfer(stack, prompts):
+    """An X-Request-Id long enough that vLLM's engine request id (its prefix, index and random
+    suffix added) passes the wire's 256 characters: through our router (it passes ids of up
+    to 256 characters to the legs) and in the upstream form (the transfer id is derived from
+    it), D registers under the id's digest and gets the KV -- it computes no prompt token
+    itself -- and the output is the single server's. (D refused such requests from about 241
+    characters on, and computed the prompt.)"""
+    p, d = stack["p"], stack["d"]
+    before = _sources(d)
+    prompt = prompts[12]
+    xrid = "long-" + "r" * 245  # 250 characters: the engine's id is about 266
+    r = httpx.post(f"{stack['router'].url}/v1/completions", json=body(prompt),
+                   headers={"X-Request-Id": xrid}, timeout=REQUEST_BOUND_S)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == xrid
+    assert signature(r.json()["choices"][0]) == stack["reference"][prompt]
+    _, d_json = _upstream_legs(stack, body(prompts[13]), "upstream-" + "u" * 300)
+    assert signature(d_json["choices"][0]) == stack["reference"][prompts[13]]
+    after = _sources(d)
+    assert after["local_compute"] == before["local_compute"], (before, after)
+    assert after["external_kv_transfer"] > before["external_kv_transfer"], (before, after)
+    assert_idle([p, d], within=RENDEZVOUS_TTL_S + 30)
+
+
 def test_prompt_logprobs_sent_to_p_and_d_are_computed_on_d(stack, prompts):
     """A router that sends a request wanting its prompt's logprobs to P and D (the upstream
     form here; ours did too before 2026-12-05): vLLM computes such a prompt itself, yet vLLM

@@ -120,16 +120,33 @@ def test_params_naming_no_leg_are_not_a_transfer(raw):
     (dict(UP_D, remote_port=0), "cmpl-x-0", "remote_port"),
     (dict(UP_D, do_remote_decode=True), "cmpl-x-0", "exactly one"),
     (UP_D, "cmpl--0", "names no transfer"),  # an empty X-Request-Id
-    (UP_D, "cmpl-" + "x" * 300 + "-0", "transfer_id must be .* at most 256"),
-    (UP_P, "cmpl-" + "x" * 300 + "-0", "transfer_id must be .* at most 256"),
-    # D registers under its request id: one P would refuse is refused here, in both forms
-    (UP_D, "chatcmpl-" + "x" * 240 + "-0a1b2c3d", "request id must be at most 256"),
-    (dict(UP_D, transfer_id="t"), "x" * 257, "request id must be at most 256"),
+    (dict(UP_D, transfer_id="t" * 257), "cmpl-x-0", "transfer_id must be .* at most 256"),
 ])
 def test_malformed_upstream_legs_are_rejected(raw, rid, error):
     with pytest.raises(TransferParamsError, match=error) as e:
         TransferParams.parse(raw, request_id=rid)
     assert e.value.reason == "bad_transfer_params"
+
+
+@pytest.mark.parametrize("rid_p, rid_d, digest", [
+    ("cmpl-" + "x" * 300 + "-0-0a1b2c3d", "cmpl-" + "x" * 300 + "-0-9f8e7d6c", True),
+    # the X-Request-Id fits the wire, the engine request id (D's registration) does not
+    ("chatcmpl-" + "y" * 250 + "-0a1b2c3d", "chatcmpl-" + "y" * 250 + "-12345678", False),
+])
+def test_a_long_x_request_id_names_one_transfer_on_both_legs(rid_p, rid_d, digest):
+    """An X-Request-Id too long for the wire (vLLM's prefix and suffixes push the engine
+    request id past 256 characters) names the transfer by its digest, alike on both legs: the
+    request keeps its KV transfer instead of being refused (it was, on D, from about 241
+    characters on)."""
+    p = TransferParams.parse(UP_P, request_id=rid_p, random_suffix=True)
+    d = TransferParams.parse(UP_D, request_id=rid_d, random_suffix=True)
+    assert p.transfer_id == d.transfer_id
+    assert p.transfer_id.startswith("sha256:") == digest and len(p.transfer_id) <= 256
+    # a short one is still the id itself
+    assert TransferParams.parse(UP_D, request_id="cmpl-abc-0-0a1b2c3d",
+                                random_suffix=True).transfer_id == "abc"
+    # ours: a long engine request id is accepted (D registers under its digest)
+    assert TransferParams.parse(dict(UP_D, transfer_id="t"), request_id="x" * 257) is not None
 
 
 def test_a_producer_legs_remote_fields_are_ignored_not_a_crash():
