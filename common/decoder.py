@@ -218,6 +218,12 @@ class Decoder:
         # producer agent -> close each of its lifelines (one per handshake that reached it:
         # two addresses of one producer make two); giving up on it closes them all
         self._severs: dict[str, list[Callable[[], None]]] = {}
+        # lifelines a handshake job opened whose welcome the transfer thread has not handled
+        # yet: ``close`` closes them too (a job still running then would otherwise leave its
+        # lifeline open until the process ends); ``_sever_lock`` orders the two threads
+        self._unhandled: set[Callable[[], None]] = set()
+        self._sever_lock = threading.Lock()
+        self._closed = False
         # producer agents we gave up on -> when they count as dead (their lifeline is closed,
         # but WRITEs they posted before they noticed may still land until then)
         self._giving_up: dict[str, float] = {}
@@ -367,11 +373,21 @@ class Decoder:
         def on_unproven(welcome: Welcome, why: str) -> None:  # on the lifeline's thread
             self.ctx.submit(lambda: self._on_lifeline_broken(token, welcome.agent_name, why))
 
+        severs: list[Callable[[], None]] = []
+
+        def on_open(sever: Callable[[], None]) -> None:  # on the job's thread
+            severs.append(sever)
+            with self._sever_lock:
+                if not self._closed:
+                    self._unhandled.add(sever)
+                    return
+            with contextlib.suppress(OSError):
+                sever()  # the decoder closed while this handshake ran
+
         def job() -> None:
-            severs: list[Callable[[], None]] = []
             try:
                 welcome = self._handshake(host, port, hello, codec, timeout,
-                                          on_closed=on_closed, on_open=severs.append,
+                                          on_closed=on_closed, on_open=on_open,
                                           on_unproven=on_unproven)
             except (HandshakeError, OSError) as e:
                 reason = str(e)  # ``e`` is unbound once the except block ends
@@ -388,6 +404,7 @@ class Decoder:
                 logger.warning("kv_push: handshake with %s:%d (producer rank %d) raised",
                                host, port, rank, exc_info=True)
                 for sever in severs:
+                    self._handled(sever)
                     sever()
                 reason = f"{type(e).__name__}: {e}"
                 self.ctx.submit(lambda: self._on_handshake_failed(remote, rank, reason, token))
@@ -423,8 +440,15 @@ class Decoder:
                      agent, why, self.ctx.config.fence_timeout_s)
         self._giving_up.setdefault(agent, self.ctx.clock() + self.ctx.config.fence_timeout_s)
 
+    def _handled(self, sever: Callable[[], None] | None) -> None:
+        """A lifeline's handshake was handled: it is kept (``_severs``) or closed now."""
+        if sever is not None:
+            with self._sever_lock:
+                self._unhandled.discard(sever)
+
     def _on_welcome(self, remote: _Remote, rank: int, welcome: Welcome, token: int,
                     sever: Callable[[], None] | None) -> None:
+        self._handled(sever)
         self._handshaking.discard(token)
         remote.connecting.discard(rank)
         try:
@@ -809,6 +833,12 @@ class Decoder:
         """Stop dialling, and close every lifeline to a producer: each learns at once that
         this decoder is gone (instead of when its process exits)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._sever_lock:  # a job still running closes what it opens from now on
+            self._closed = True
+            unhandled, self._unhandled = self._unhandled, set()
+        for sever in unhandled:
+            with contextlib.suppress(OSError):
+                sever()
         for agent in list(self._severs):
             self._sever_all(agent)
 

@@ -625,6 +625,26 @@ def test_a_closing_decoder_closes_its_lifelines():
     assert sorted(b.severed) == ["P0", "P1"]
 
 
+def test_a_handshake_that_ends_after_the_decoder_closed_closes_its_lifeline():
+    """A handshake still running when the decoder closes (the pool's shutdown cancels only
+    the jobs not started) opens its lifeline afterwards; its welcome is never handled (the
+    transfer thread is gone), so the lifeline stayed open until the process ended. It is
+    closed at once now -- and so is one whose handshake ended just before the close, with its
+    welcome not yet handled."""
+    b = Bench(manual=True, p_tp=2)
+    b.expect()
+    assert len(b.executor.jobs) == 1  # rank 0's handshake, running
+    b.executor.run()  # it ends: its lifeline opens, its welcome is queued, not handled
+    assert b.severed == []
+    b.decoder.close()
+    assert b.severed == ["P0"]
+    b2 = Bench(manual=True)
+    b2.expect()
+    b2.decoder.close()  # while the handshake runs
+    b2.executor.run()  # it ends afterwards
+    assert b2.severed == ["P0"]
+
+
 def test_all_requests_waiting_for_a_handshake_fail_with_it():
     b = Bench(manual=True)
     b.expect("req-1", "t1")
