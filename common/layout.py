@@ -218,11 +218,7 @@ def plan_writes(
     for the heads :func:`writer_ranks` assigns to ``src.tp_rank`` (an empty plan when it assigns
     none). Raises :class:`GeometryError` on bad input.
     """
-    src.validate()
-    dst.validate()
-    src.compatible_with(dst)
-    _check_addresses(src, "producer")
-    _check_addresses(dst, "decoder")
+    pair = _pair(src, dst)
     first_token = _as_count(first_token, "first_token")
     num_tokens = _as_count(num_tokens, "num_tokens")
     bs, bd = src.block_size, dst.block_size
@@ -247,11 +243,10 @@ def plan_writes(
             f"tokens [{first_token}, {num_tokens}) need {need_d} decoder blocks of {bd}, "
             f"got {dblk.shape[0]}"
         )
-    if np.unique(dblk[:need_d]).shape[0] != need_d:
+    if len(set(dblk[:need_d].tolist())) != need_d:
         raise GeometryError("a decoder block id appears twice among the blocks being written")
 
-    heads = writer_ranks(src.num_kv_heads, src.tp_size, dst.tp_size, dst.tp_rank).get(src.tp_rank)
-    if heads is None:
+    if pair.heads is None:
         return _empty_plan()
     if src.token_order == "opaque":
         # Block interiors are opaque (e.g. vLLM CPU's ISA-specific tiles): whole blocks only.
@@ -259,29 +254,20 @@ def plan_writes(
         s_off = sblk[first_token // bs: need_s] * src.block_stride
         d_off = dblk[:need_d] * dst.block_stride
         plen = np.full(need_d, src.block_bytes, dtype=np.int64)
-        return _broadcast_and_merge(src, dst, s_off, d_off, plen, False)
-    nh = heads[1] - heads[0]
-    h0s = heads[0] - src.head_range[0]
-    h0d = heads[0] - dst.head_range[0]
-    vec = src.vec_bytes  # == dst.vec_bytes (compatible_with checked head_size and dtype_bytes)
-    ts_s, hs_s = _order(src)
-    ts_d, hs_d = _order(dst)
-    head_sliced = (src.token_order == "NHD" and nh < src.local_heads) or (
-        dst.token_order == "NHD" and nh < dst.local_heads
-    )
+        return _broadcast_and_merge(pair, s_off, d_off, plen, False)
+    nh, h0s, h0d, vec = pair.nh, pair.h0s, pair.h0d, pair.vec
+    ts_s, hs_s, ts_d, hs_d = pair.ts_s, pair.hs_s, pair.ts_d, pair.hs_d
+    head_sliced = pair.head_sliced
 
     # Runs: cut [first_token, num_tokens) at every P and every D block boundary.
-    cuts = np.concatenate(
-        (
+    if bs == bd:  # first_token is then block-aligned on both sides: the D blocks' starts
+        start = np.arange(first_token, num_tokens, bd, dtype=np.int64)
+    else:
+        start = np.unique(np.concatenate((
             np.array([first_token], dtype=np.int64),
             np.arange((first_token // bs + 1) * bs, num_tokens, bs, dtype=np.int64),
             np.arange(first_token + bd, num_tokens, bd, dtype=np.int64),
-        )
-    )
-    if bs == bd:  # first_token is then block-aligned on both sides: the two cut lists coincide
-        start = cuts[: 1 + (cuts.shape[0] - 1) // 2]
-    else:
-        start = np.unique(cuts)
+        )))
     n = np.diff(np.append(start, num_tokens))
     sbi = start // bs
     s_tok = start - sbi * bs  # token offset inside the P block
@@ -292,23 +278,25 @@ def plan_writes(
     d_blk_off = dblk[dbi] * dst.block_stride
 
     # Coarsest piece shape contiguous on both sides, per run.
-    one = n == 1
+    if pair.token_rows:  # tokens outer, heads inner, contiguous on both sides: any run whole
+        whole = None
+    else:
+        one = n == 1
 
-    def tok_outer(ts: int, hs: int) -> np.ndarray:  # tokens outer, heads inner, contiguous
-        if nh > 1 and hs != 1:
-            return np.zeros_like(one)
-        return one | (ts == 1 + (nh - 1) * hs)
+        def tok_outer(ts: int, hs: int) -> np.ndarray:  # tokens outer, heads inner, contiguous
+            if nh > 1 and hs != 1:
+                return np.zeros_like(one)
+            return one | (ts == 1 + (nh - 1) * hs)
 
-    def head_outer(ts: int, hs: int) -> np.ndarray:  # heads outer, tokens inner, contiguous
-        ok = one | (ts == 1)
-        return ok if nh == 1 else ok & (hs == 1 + (n - 1) * ts)
+        def head_outer(ts: int, hs: int) -> np.ndarray:  # heads outer, tokens inner, contiguous
+            ok = one | (ts == 1)
+            return ok if nh == 1 else ok & (hs == 1 + (n - 1) * ts)
 
-    whole = (tok_outer(ts_s, hs_s) & tok_outer(ts_d, hs_d)) | (
-        head_outer(ts_s, hs_s) & head_outer(ts_d, hs_d)
-    )
-    if whole.all():
+        whole = (tok_outer(ts_s, hs_s) & tok_outer(ts_d, hs_d)) | (
+            head_outer(ts_s, hs_s) & head_outer(ts_d, hs_d)
+        )
+    if whole is None or whole.all():
         mode = None
-        count = np.ones_like(n)
     else:
         mode = np.full(n.shape, _VECTOR, dtype=np.int8)
         count = n * nh
@@ -338,10 +326,77 @@ def plan_writes(
         s_off = s_blk_off[run] + ((s_tok[run] + t) * ts_s + (h0s + h) * hs_s) * vec
         d_off = d_blk_off[run] + ((d_tok[run] + t) * ts_d + (h0d + h) * hs_d) * vec
         plen = (tlen * hlen)[run] * vec
-    return _broadcast_and_merge(src, dst, s_off, d_off, plen, head_sliced)
+    return _broadcast_and_merge(pair, s_off, d_off, plen, head_sliced)
 
 
-def _broadcast_and_merge(src: KVGeometry, dst: KVGeometry, s_off: np.ndarray, d_off: np.ndarray,
+class _Pair(NamedTuple):
+    """What a plan from ``src`` into ``dst`` needs of the two geometries alone, checked and
+    worked out once per pair (:func:`_pair`): every transfer between the same two ranks plans
+    with the same two geometry objects, and these checks and conversions were most of a small
+    plan's time (on P's core, beside the engine's step)."""
+
+    src: KVGeometry
+    dst: KVGeometry
+    heads: tuple[int, int] | None  # global heads [lo, hi) src writes into dst (None: none)
+    nh: int  # heads written
+    h0s: int  # first written head's local index on each side
+    h0d: int
+    vec: int  # bytes of one (token, head) vector
+    ts_s: int  # vector-index steps per token and per head, each side (``_order``)
+    hs_s: int
+    ts_d: int
+    hs_d: int
+    head_sliced: bool
+    s_base: np.ndarray  # (layers, parts) int64 base addresses
+    d_base: np.ndarray
+    adjacent: bool  # both sides keep each block's V right after its K
+    token_rows: bool  # a run's written heads of a token, token after token, are contiguous on
+    # both sides (e.g. NHD with every head written): every run is one piece, whatever its length
+
+
+#: (id(src), id(dst)) -> its _Pair; the entry holds both geometries, so neither id is reused
+#: while it is here, and a hit is checked by identity
+_PAIRS: dict[tuple[int, int], _Pair] = {}
+_MAX_PAIRS = 256
+
+
+def _pair(src: KVGeometry, dst: KVGeometry) -> _Pair:
+    """The checked :class:`_Pair` of ``src`` and ``dst`` (GeometryError as :func:`plan_writes`
+    documents; a pair that fails is not kept, so it fails the same way every time)."""
+    hit = _PAIRS.get((id(src), id(dst)))
+    if hit is not None and hit.src is src and hit.dst is dst:
+        return hit
+    src.validate()
+    dst.validate()
+    src.compatible_with(dst)
+    _check_addresses(src, "producer")
+    _check_addresses(dst, "decoder")
+    heads = writer_ranks(src.num_kv_heads, src.tp_size, dst.tp_size, dst.tp_rank).get(src.tp_rank)
+    nh = h0s = h0d = 0
+    head_sliced = False
+    if heads is not None:
+        nh = heads[1] - heads[0]
+        h0s, h0d = heads[0] - src.head_range[0], heads[0] - dst.head_range[0]
+        head_sliced = (src.token_order == "NHD" and nh < src.local_heads) or (
+            dst.token_order == "NHD" and nh < dst.local_heads)
+    ts_s, hs_s = _order(src)
+    ts_d, hs_d = _order(dst)
+
+    def rows(ts: int, hs: int) -> bool:  # plan_writes' tok_outer, for runs of any length
+        return (nh <= 1 or hs == 1) and ts == 1 + (nh - 1) * hs
+
+    pair = _Pair(src, dst, heads, nh, h0s, h0d, src.vec_bytes, ts_s, hs_s, ts_d, hs_d,
+                 head_sliced, np.array(src.part_bases, dtype=np.int64).T,
+                 np.array(dst.part_bases, dtype=np.int64).T,
+                 _kv_adjacent(src) and _kv_adjacent(dst),
+                 heads is not None and rows(ts_s, hs_s) and rows(ts_d, hs_d))
+    if len(_PAIRS) >= _MAX_PAIRS:  # (a worker meets few pairs: its own rank and its peers')
+        _PAIRS.pop(next(iter(_PAIRS)))
+    _PAIRS[(id(src), id(dst))] = pair
+    return pair
+
+
+def _broadcast_and_merge(pair: _Pair, s_off: np.ndarray, d_off: np.ndarray,
                          plen: np.ndarray, head_sliced: bool) -> WritePlan:
     """Repeat per-piece offsets over layers and K/V parts, then merge contiguous regions."""
     pieces = s_off.shape[0]
@@ -349,31 +404,28 @@ def _broadcast_and_merge(src: KVGeometry, dst: KVGeometry, s_off: np.ndarray, d_
     # Broadcast over layers and K/V: (layer, K/V, piece) or, when both sides keep V right after
     # K in every block, (layer, piece, K/V) so that K+V of whole blocks merge.
     # With kv_parts == 1 (one combined part per block) there is a single "K/V" slot.
-    parts = src.kv_parts
-    s_base = np.array(src.part_bases, dtype=np.int64).T  # (layers, parts)
-    d_base = np.array(dst.part_bases, dtype=np.int64).T
-    layers = src.num_layers
-    if _kv_adjacent(src) and _kv_adjacent(dst):
+    s_base, d_base = pair.s_base, pair.d_base  # (layers, parts)
+    layers, parts = s_base.shape
+    if pair.adjacent:
         s_all = (s_base[:, None, :] + s_off[None, :, None]).ravel()
         d_all = (d_base[:, None, :] + d_off[None, :, None]).ravel()
         l_all = np.broadcast_to(plen[None, :, None], (layers, pieces, parts)).ravel()
         # K and V of one block share an allocation: the unit a region may not leave is a layer
-        unit = np.repeat(np.arange(layers), pieces * parts)
+        span = pieces * parts
     else:
         s_all = (s_base[:, :, None] + s_off[None, None, :]).ravel()
         d_all = (d_base[:, :, None] + d_off[None, None, :]).ravel()
         l_all = np.broadcast_to(plen[None, None, :], (layers, parts, pieces)).ravel()
-        unit = np.repeat(np.arange(layers * parts), pieces)  # one (layer, part) span
+        span = pieces  # one (layer, part) span
 
     # Merge: a piece continues the previous one when both its ends line up.
     s_end = s_all[:-1] + l_all[:-1]
     new = np.empty(s_all.shape[0], dtype=bool)
-    new[0] = True
     np.not_equal(s_end, s_all[1:], out=new[1:])
     new[1:] |= (d_all[:-1] + l_all[:-1]) != d_all[1:]
     # never across a layer's (or part's) span: each is registered as its own region, since
-    # adjacent tensors are still separate device allocations
-    new[1:] |= unit[:-1] != unit[1:]
+    # adjacent tensors are still separate device allocations (the first piece of each starts one)
+    new[::span] = True
     heads_at = np.flatnonzero(new)
     return WritePlan(
         src=s_all[heads_at].astype(np.uint64),

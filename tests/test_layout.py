@@ -191,6 +191,10 @@ def run_case(c: Case) -> list[WritePlan]:
                        num_blocks=s_nb, tp=c.src_tp, rank=r, **common)
         s_ids = pick_blocks(rng, s_nb, need_s + min(c.tail, s_nb - need_s), c.consecutive)
         plan = plan_writes(src, s_ids, dst, d_ids, first_token=c.first_token, num_tokens=c.num_tokens)
+        # planned again with the pair's checks and bases kept from the first time (layout._pair)
+        again = plan_writes(src, s_ids, dst, d_ids, first_token=c.first_token,
+                            num_tokens=c.num_tokens)
+        assert all(np.array_equal(a, b) for a, b in zip(plan, again)) and plan[3:] == again[3:]
         assert plan.num_regions <= plan.unmerged
         if r not in writers or c.num_tokens == c.first_token:
             assert plan.num_regions == 0 and plan.total_bytes == 0
@@ -319,6 +323,37 @@ def _case(**kw) -> Case:
 )
 def test_examples_match_reference(kw) -> None:
     run_case(_case(**kw))
+
+
+def test_a_pair_kept_from_earlier_plans_plans_as_a_fresh_one() -> None:
+    """Plans reuse what they worked out of a pair of geometries (``layout._pair``, by the
+    objects' identity): many requests between the same two ranks, each with its own blocks and
+    token range, plan as they do with fresh copies of both geometries; a pair that fails its
+    checks fails every time; the kept pairs are bounded."""
+    from kv_push.common import layout
+
+    common = dict(layers=3, heads=4, head_size=8, dtype_bytes=2)
+    src = make_geo(base=SRC_BASE, placement="kv_split", order="NHD", block_size=16,
+                   num_blocks=40, tp=1, rank=0, **common)
+    dst = make_geo(base=DST_BASE, placement="blocks_first", order="HND", block_size=8,
+                   num_blocks=80, tp=2, rank=1, **common)
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        num_tokens = int(rng.integers(1, 300))
+        first = int(rng.integers(0, num_tokens // 8 + 1)) * 8
+        s_ids = rng.permutation(40)[: -(-num_tokens // 16)].tolist()
+        d_ids = rng.permutation(80)[: -(-(num_tokens - first) // 8)].tolist()
+        kept = plan_writes(src, s_ids, dst, d_ids, first_token=first, num_tokens=num_tokens)
+        fresh = plan_writes(msgspec.structs.replace(src), s_ids, msgspec.structs.replace(dst),
+                            d_ids, first_token=first, num_tokens=num_tokens)
+        assert all(np.array_equal(a, b) for a, b in zip(kept, fresh)) and kept[3:] == fresh[3:]
+    bad = msgspec.structs.replace(dst, head_size=4)  # incompatible with src
+    for _ in range(2):
+        with pytest.raises(GeometryError, match="head_size differs"):
+            plan_writes(src, [0], bad, [0], first_token=0, num_tokens=1)
+    for _ in range(layout._MAX_PAIRS + 10):
+        plan_writes(msgspec.structs.replace(src), [0], dst, [0], first_token=0, num_tokens=1)
+    assert len(layout._PAIRS) <= layout._MAX_PAIRS
 
 
 # -- heads -----------------------------------------------------------------------------------
