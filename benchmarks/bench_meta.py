@@ -26,6 +26,24 @@ def source_commit() -> str:
     return commit
 
 
+#: the CPU's vector extensions that decide how fast vLLM's CPU build runs a model (bf16 without
+#: AVX-512 BF16 or AMX is emulated: a prefill several times slower, so the same fixed P/D
+#: overhead is a much smaller ratio)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """Which of :data:`ISA_FLAGS` the first CPU lists (empty where it cannot be read)."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
 def add_python_arg(ap: argparse.ArgumentParser) -> None:
     """``--python``: the interpreter a benchmark starts its servers with; by default the
     checkout's ``.venv`` where it has one (``make`` builds it), else the interpreter running the
