@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -357,6 +358,7 @@ class _Pair(NamedTuple):
 #: (id(src), id(dst)) -> its _Pair; the entry holds both geometries, so neither id is reused
 #: while it is here, and a hit is checked by identity
 _PAIRS: dict[tuple[int, int], _Pair] = {}
+_PAIRS_LOCK = threading.Lock()
 _MAX_PAIRS = 256
 
 
@@ -390,9 +392,10 @@ def _pair(src: KVGeometry, dst: KVGeometry) -> _Pair:
                  np.array(dst.part_bases, dtype=np.int64).T,
                  _kv_adjacent(src) and _kv_adjacent(dst),
                  heads is not None and rows(ts_s, hs_s) and rows(ts_d, hs_d))
-    if len(_PAIRS) >= _MAX_PAIRS:  # (a worker meets few pairs: its own rank and its peers')
-        _PAIRS.pop(next(iter(_PAIRS)))
-    _PAIRS[(id(src), id(dst))] = pair
+    with _PAIRS_LOCK:  # (planners on several threads: one eviction at a time)
+        while len(_PAIRS) >= _MAX_PAIRS:  # (a worker meets few pairs: its rank and its peers')
+            _PAIRS.pop(next(iter(_PAIRS)))
+        _PAIRS[(id(src), id(dst))] = pair
     return pair
 
 

@@ -15,12 +15,20 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kv_push.common.testing.vllm_servers import DTYPE_ENV, e2e_exact_dtype
+
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
+
+# the end-to-end servers' dtype on CPUs that emulate bf16: float32, so that P/D's outputs equal
+# a single server's token for token (vllm_servers.e2e_exact_dtype says why)
+if (_exact := e2e_exact_dtype()) is not None:
+    os.environ[DTYPE_ENV] = _exact
 
 #: section -> list of (what, value, note) rows, printed at the end of the session
 FIGURES: dict[str, list[tuple[str, str, str]]] = {}

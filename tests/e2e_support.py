@@ -85,9 +85,43 @@ def complete(url: str, prompt: Any, timeout: float = 180, **kw) -> dict:
     return r.json()
 
 
-def signature(choice: dict) -> tuple:
-    return (tuple(choice.get("token_ids") or ()), tuple(choice["logprobs"]["token_logprobs"]),
-            choice["text"])
+#: how far a P/D logprob may be from the single server's. vLLM's CPU build computes the first
+#: token's logits in the single server's prefill (all prompt tokens in one forward) but on D
+#: from a one-token recompute of the last prompt token over the KV P wrote: on a CPU without
+#: native bf16 (AVX2 only: bf16 emulated, matmuls blocked by batch shape) the two round
+#: differently, measured 1e-5 to 5e-5 apart (2026-12-06), where the AVX-512 box of earlier
+#: stops gave equal bits. A wrong or missing KV block moves logprobs by far more (and tokens
+#: and text are still compared exactly).
+LOGPROB_TOLERANCE = 1e-3
+
+
+class Signature(tuple):
+    """(token ids, logprobs, text) of one choice. Equal to another when the token ids and the
+    text are equal and each logprob is within :data:`LOGPROB_TOLERANCE` of its counterpart."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, tuple) or len(other) != 3 or len(self) != 3:
+            return NotImplemented
+        ids, lps, text = self
+        o_ids, o_lps, o_text = other
+        if ids != o_ids or text != o_text or len(lps) != len(o_lps):
+            return False
+        return all((a is None and b is None) or (a is not None and b is not None
+                                                 and abs(a - b) <= LOGPROB_TOLERANCE)
+                   for a, b in zip(lps, o_lps))
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = tuple.__hash__
+
+
+def signature(choice: dict) -> Signature:
+    return Signature((tuple(choice.get("token_ids") or ()),
+                      tuple(choice["logprobs"]["token_logprobs"]), choice["text"]))
 
 
 def signatures(response: dict) -> tuple:

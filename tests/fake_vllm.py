@@ -93,6 +93,7 @@ class Record:
     disconnected_at: float | None = None
     sent: bytes = b""
     response_json: dict | None = None
+    raw: bytes = b""  # the request's body as it came
 
     @property
     def request_id(self) -> str | None:
@@ -151,13 +152,14 @@ class FakeVLLM:
                              "authorization": request.headers.get("authorization")})
 
     async def _serve(self, request: Request, chat: bool) -> Response:
-        body = json.loads(await request.body())
+        raw = await request.body()
+        body = json.loads(raw)
         try:  # ``stream`` as vLLM's pydantic request models read it (lax: "false", 0, ...)
             stream = bool(_STREAM.validate_python(body.get("stream")))
         except pydantic.ValidationError as e:
             return JSONResponse({"error": {"message": str(e), "type": "BadRequestError",
                                            "code": 400}}, status_code=400)
-        rec = Record(request.url.path, body, dict(request.headers), time.monotonic())
+        rec = Record(request.url.path, body, dict(request.headers), time.monotonic(), raw=raw)
         self.records.append(rec)
         b = self.behavior
         watcher = asyncio.ensure_future(self._watch(request, rec))

@@ -347,6 +347,7 @@ def test_a_pair_kept_from_earlier_plans_plans_as_a_fresh_one() -> None:
         fresh = plan_writes(msgspec.structs.replace(src), s_ids, msgspec.structs.replace(dst),
                             d_ids, first_token=first, num_tokens=num_tokens)
         assert all(np.array_equal(a, b) for a, b in zip(kept, fresh)) and kept[3:] == fresh[3:]
+    assert layout._pair(src, dst) is layout._pair(src, dst)  # kept, not worked out again
     bad = msgspec.structs.replace(dst, head_size=4)  # incompatible with src
     for _ in range(2):
         with pytest.raises(GeometryError, match="head_size differs"):

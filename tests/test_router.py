@@ -1103,6 +1103,10 @@ async def test_both_legs_get_the_clients_values_whatever_json_the_client_wrote(m
                 assert rec.headers["content-type"] == "application/json"
                 # repr: NaN equals nothing, and a lone surrogate is shown as its escape
                 assert {k: repr(rec.body[k]) for k in keys} == {k: repr(want[k]) for k in keys}
+                if raw is strict:  # written by msgspec: compact, UTF-8 as it is
+                    assert b", " not in rec.raw and "caf\u00e9".encode() in rec.raw
+                else:  # by Python's json, as before: NaN and the escape as it writes them
+                    assert b"NaN" in rec.raw and b"\\ud800" in rec.raw
         await eventually(lambda: all_idle(c), "router to be idle")
 
 # -- metrics, health, models -------------------------------------------------------------------

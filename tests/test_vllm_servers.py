@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kv_push.common.testing.vllm_servers import (DTYPE_ENV, cpu_has_amx, server_dtype,
-                                                 vllm_server)
+from kv_push.common.testing.vllm_servers import (DTYPE_ENV, cpu_has_amx, e2e_exact_dtype,
+                                                 server_dtype, vllm_server)
 
 SPR = "flags\t\t: fpu vme sse sse2 avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8\n"
 ICELAKE = "flags\t\t: fpu vme sse sse2 avx512f avx512_vnni\n"
@@ -26,6 +26,21 @@ def test_amx_cpus_get_float16_others_keep_the_models_dtype(tmp_path):
     assert dtype == "float16" and "AMX" in why
     dtype, why = server_dtype(env={}, cpuinfo=icx)
     assert dtype is None and "no AMX" in why
+
+
+def test_the_e2e_tests_force_float32_where_bf16_is_emulated(tmp_path):
+    """An AVX2-only CPU (no avx512_bf16, no amx_bf16) rounds emulated bf16 by matmul shape: the
+    e2e servers get float32 there (conftest sets DTYPE_ENV), and nothing where bf16 is native,
+    or where DTYPE_ENV already names a dtype."""
+    avx2 = _cpuinfo(tmp_path, "flags\t\t: fpu sse sse2 avx avx2 fma\n")
+    zen4 = _cpuinfo(tmp_path, "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert e2e_exact_dtype(env={}, cpuinfo=avx2) == "float32"
+    assert e2e_exact_dtype(env={}, cpuinfo=_cpuinfo(tmp_path, ICELAKE)) == "float32"
+    assert e2e_exact_dtype(env={}, cpuinfo=zen4) is None
+    assert e2e_exact_dtype(env={}, cpuinfo=_cpuinfo(tmp_path, SPR)) is None
+    assert e2e_exact_dtype(env={DTYPE_ENV: "bfloat16"}, cpuinfo=avx2) is None
+    assert e2e_exact_dtype(env={DTYPE_ENV: "auto"}, cpuinfo=avx2) == "float32"
+    assert e2e_exact_dtype(env={}, cpuinfo=str(tmp_path / "missing")) is None
 
 
 def test_the_environment_forces_a_dtype(tmp_path):

@@ -235,13 +235,15 @@ class LegResponse:
         self.status_code = resp.status
         self.headers = resp.headers
         self.content = b""
+        self.strict = True  # the body read by json() was strict JSON (body_json)
 
     async def aread(self) -> bytes:
         self.content = await self._resp.read()
         return self.content
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        value, self.strict = read_body(self.content)
+        return value
 
     @property
     def text(self) -> str:
@@ -937,6 +939,8 @@ class Router:
                 data = resp.json()
                 if not isinstance(data, dict):
                     raise ValueError("response is not a JSON object")
+                if not resp.strict:  # D's body may carry what P answered (the serial path)
+                    ex.strict_json = False
             except (*LEG_ERRORS, ValueError) as exc:
                 # not connected: P never had it, nothing there to release
                 ex.p_unsent = isinstance(exc, CONNECT_ERRORS)

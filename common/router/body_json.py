@@ -31,5 +31,8 @@ def read_body(raw: bytes) -> tuple[Any, bool]:
 def write_body(body: Any, strict: bool) -> bytes:
     """``body`` as JSON bytes: msgspec for what :func:`read_body` read as strict JSON."""
     if strict:
-        return _encode(body)
+        try:
+            return _encode(body)
+        except (UnicodeEncodeError, msgspec.EncodeError, TypeError):
+            pass  # a value from elsewhere (P's answer) that msgspec will not write
     return json.dumps(body).encode()

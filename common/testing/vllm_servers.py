@@ -43,6 +43,37 @@ def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
                for line in text.splitlines())
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU computes bf16 itself (``avx512_bf16`` or ``amx_bf16``); without, vLLM's
+    CPU build emulates it and rounds by the shape of each matmul (``e2e_exact_dtype``)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return True  # not known: keep the model's dtype
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split())
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    return True
+
+
+def e2e_exact_dtype(env: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
+                    ) -> str | None:
+    """The ``--dtype`` the end-to-end tests force (through ``DTYPE_ENV``) so that P/D's outputs
+    can be compared with a single server's token for token, or None.
+
+    On a CPU without native bf16 (an AVX2-only EPYC, 2026-12-06) the single server computes the
+    first token's logits in its prefill (every prompt token in one forward) but D in a one-token
+    recompute of the last prompt token over the KV P wrote, and emulated bf16 rounds the two
+    apart (logprobs 1e-5 to 5e-5): the random tiny model's near-tied logits then pick another
+    greedy token (measured: a streamed completion's first token). float32 is computed natively
+    there. Not where ``DTYPE_ENV`` is set already."""
+    env = os.environ if env is None else env
+    if env.get(DTYPE_ENV, "auto").strip() not in ("", "auto"):
+        return None
+    return None if cpu_has_native_bf16(cpuinfo) else "float32"
+
+
 def server_dtype(env: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
                  ) -> tuple[str | None, str]:
     """(the ``--dtype`` every CPU server gets, or None for the model's own; why)."""
