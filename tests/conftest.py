@@ -21,13 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kv_push.common.testing.vllm_servers import DTYPE_ENV, e2e_exact_dtype
+try:
+    from kv_push.common.testing.vllm_servers import DTYPE_ENV, e2e_exact_dtype
+except ImportError:  # a minimal environment (the GPU machine's: no httpx), where no e2e runs
+    DTYPE_ENV, e2e_exact_dtype = "", None
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 
 # the end-to-end servers' dtype on CPUs that emulate bf16: float32, so that P/D's outputs equal
 # a single server's token for token (vllm_servers.e2e_exact_dtype says why)
-if (_exact := e2e_exact_dtype()) is not None:
+if e2e_exact_dtype is not None and (_exact := e2e_exact_dtype()) is not None:
     os.environ[DTYPE_ENV] = _exact
 
 #: section -> list of (what, value, note) rows, printed at the end of the session
