@@ -33,15 +33,27 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_t
 
 
 def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """Which of :data:`ISA_FLAGS` the first CPU lists (empty where it cannot be read)."""
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [f for f in ISA_FLAGS if f in flags]
-    except OSError:
-        pass
-    return []
+    """Which of :data:`ISA_FLAGS` the CPU lists (empty where it cannot be read)."""
+    from kv_push.common.testing.vllm_servers import cpu_flags
+
+    flags = cpu_flags(cpuinfo) or set()
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def checkout_env(source: str | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment in which ``python -m kv_push...`` (run from a cwd that is no checkout)
+    imports the ``kv_push`` of checkout ``source`` (None: the installed one), to run an earlier
+    commit's code beside this one's (``--baseline`` of the benchmarks): a folder holding only
+    ``kv_push`` -> that checkout, first on ``PYTHONPATH``."""
+    env = {**(os.environ if env is None else env), "PYTHONSAFEPATH": "1"}
+    if source:
+        shim = Path(f"/tmp/kv_push_checkout_{os.getpid()}_{abs(hash(source))}")
+        shim.mkdir(exist_ok=True)
+        link = shim / "kv_push"
+        if not link.is_symlink():
+            link.symlink_to(Path(source).resolve())
+        env["PYTHONPATH"] = f"{shim}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
 
 
 def add_python_arg(ap: argparse.ArgumentParser) -> None:

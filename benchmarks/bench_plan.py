@@ -69,16 +69,10 @@ def _child(reps: int) -> dict:
 
 
 def _run(source: str | None, reps: int) -> dict:
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    if source:
-        shim = Path(f"/tmp/bench_plan_shim_{os.getpid()}")
-        shim.mkdir(exist_ok=True)
-        link = shim / "kv_push"
-        if link.is_symlink():
-            link.unlink()
-        link.symlink_to(Path(source).resolve())
-        env["PYTHONPATH"] = f"{shim}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    out = subprocess.run([sys.executable, __file__, "--child", str(reps)], env=env, cwd="/",
+    from bench_meta import checkout_env
+
+    out = subprocess.run([sys.executable, __file__, "--child", str(reps)],
+                         env=checkout_env(source), cwd="/",
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 

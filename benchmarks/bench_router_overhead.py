@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_meta import source_commit
+from bench_meta import checkout_env, source_commit
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,14 +102,7 @@ def _start_router(p_url: str, d_url: str, source: str | None) -> tuple[subproces
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
-    if source:  # a shim folder holding only kv_push -> that checkout, first on sys.path
-        shim = Path(f"/tmp/bench_router_shim_{os.getpid()}_{port}")
-        shim.mkdir(exist_ok=True)
-        link = shim / "kv_push"
-        if not link.exists():
-            link.symlink_to(Path(source).resolve())
-        env["PYTHONPATH"] = f"{shim}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env = checkout_env(source)
     router = subprocess.Popen(
         ["taskset", "-c", "0", sys.executable, "-m", "kv_push.common.router", "--port",
          str(port), "--mode", "push", "--prefill", f"{p_url},kv=127.0.0.1:9", "--decode", d_url,

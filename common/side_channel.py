@@ -437,8 +437,8 @@ class SideChannelServer:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         codec_, on_hello_, on_reject_, timeout_ = codec, on_hello, on_reject, timeout
-        on_closed_, on_release_, on_probe_, on_held_ = on_closed, on_release, on_probe, on_held
-        on_unsent_ = on_unsent
+        on_closed_, on_release_, on_probe_ = on_closed, on_release, on_probe
+        on_held_, on_unsent_ = on_held, on_unsent
         on_release_reject_ = on_release_reject or on_reject
         # lifelines held open (their handler threads wait in hold_lifeline): closed by close()
         lifelines: dict[socket.socket, str] = {}  # -> the decoder agent holding it

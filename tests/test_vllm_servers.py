@@ -153,3 +153,20 @@ def test_ephemeral_range_is_read_from_the_kernel(tmp_path):
     conf.write_text("10000\t20000\n")
     assert ephemeral_range(str(conf)) == (10000, 20000)
     assert ephemeral_range(str(tmp_path / "absent")) == (32768, 60999)
+
+
+def test_e2e_signatures_tolerate_rounding_not_other_tokens_or_text():
+    """``e2e_support.Signature``: P/D's choice equals the single server's when its token ids and
+    text are the same and every logprob is within the tolerance; a different token, text, a
+    logprob off by more, or one logprob more or fewer is a mismatch (also inside a tuple of
+    choices, as ``signatures`` compares a prompt list)."""
+    from e2e_support import LOGPROB_TOLERANCE, Signature
+
+    ref = Signature(((5, 7), (-5.3968896, None), "ab"))
+    near = Signature(((5, 7), (-5.3968896 + LOGPROB_TOLERANCE / 10, None), "ab"))
+    assert ref == near and not ref != near and (ref, ref) == (near, near)
+    for other in (((5, 8), (-5.3968896, None), "ab"), ((5, 7), (-5.3968896, None), "aB"),
+                  ((5, 7), (-5.3968896 + 2 * LOGPROB_TOLERANCE, None), "ab"),
+                  ((5, 7), (-5.3968896, -1.0), "ab"), ((5, 7), (-5.3968896,), "ab")):
+        assert ref != Signature(other) and not ref == Signature(other), other
+        assert (ref,) != (Signature(other),)

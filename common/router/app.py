@@ -499,6 +499,11 @@ class Exchange:
         if timing.ENABLED:
             timing.stamp("router_in", self.tid, endpoint=endpoint)
 
+    def encode(self, body: dict) -> bytes:
+        """A leg's body as JSON bytes: msgspec where everything in it was strict JSON (the
+        client's body, and P's answer that D's body may carry), else Python's json."""
+        return write_body(body, self.strict_json)
+
     async def close(self) -> None:
         """Cancel what must not outlive the response; hand a still-running P to the router."""
         if self._closed:
@@ -875,16 +880,16 @@ class Router:
 
     # -- legs ----------------------------------------------------------------------------------
 
-    async def _post_leg(self, backend: Backend, endpoint: str, body: dict, headers: dict,
-                        sent: asyncio.Future | None = None, strict: bool = True
-                        ) -> LegResponse:
+    async def _post_leg(self, backend: Backend, endpoint: str, data: bytes, headers: dict,
+                        sent: asyncio.Future | None = None) -> LegResponse:
         """POST one leg to ``backend`` (its response's headers read; raises LEG_ERRORS). A
         connection that cannot be made takes the backend out of selection for a while
-        (``pool``); one that is made puts it back. ``sent``: set once the request's headers
-        are written (its connection was made), long before the answer."""
+        (``pool``); one that is made puts it back. ``data``: the body, as ``Exchange.encode``
+        writes it. ``sent``: set once the request's headers are written (its connection was
+        made), long before the answer."""
         assert self.legs is not None
         try:
-            resp = await self.legs.post(backend.url + endpoint, data=write_body(body, strict),
+            resp = await self.legs.post(backend.url + endpoint, data=data,
                                         headers={**headers, "Content-Type": "application/json"},
                                         allow_redirects=False, proxy=backend.proxy,
                                         trace_request_ctx=sent)
@@ -922,8 +927,8 @@ class Router:
         reading_on = False
         try:
             try:
-                resp = await self._post_leg(ex.p.backend, ex.endpoint, body, headers, sent,
-                                            ex.strict_json)
+                resp = await self._post_leg(ex.p.backend, ex.endpoint, ex.encode(body),
+                                            headers, sent)
                 if body.get("stream") and resp.status_code < 400:
                     # one token, streamed: its events (first_token.py), once they hold it
                     sse, reading_on = await self._prefill_events(ex, resp)
@@ -992,11 +997,11 @@ class Router:
         one that is up, if any: the leg does not name its D (P waits for whichever D
         registers the transfer)."""
         tried: set[str] = set()
+        data = ex.encode(body)  # once: a leg moving on to another D sends the same
         while True:
             url = ex.d.backend.url
             try:
-                resp = await self._post_leg(ex.d.backend, ex.endpoint, body, headers,
-                                            strict=ex.strict_json)
+                resp = await self._post_leg(ex.d.backend, ex.endpoint, data, headers)
                 break
             except LEG_ERRORS as exc:
                 tried.add(url)

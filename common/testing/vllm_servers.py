@@ -32,29 +32,30 @@ from kv_push.common.testing.ports import free_port  # noqa: F401  (tests import 
 DTYPE_ENV = "KV_PUSH_E2E_DTYPE"
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The ``flags`` the CPU lists in ``cpuinfo``, or None where they cannot be read."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[-1].split())
+    return None
+
+
 def cpu_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """True when the CPU advertises AMX tiles (the ``amx_tile`` flag, as vLLM's kernel choice
     via ``torch.cpu._is_amx_tile_supported()`` needs it)."""
-    try:
-        text = Path(cpuinfo).read_text(errors="replace")
-    except OSError:
-        return False
-    return any(line.startswith("flags") and "amx_tile" in line.split()
-               for line in text.splitlines())
+    return "amx_tile" in (cpu_flags(cpuinfo) or ())
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU computes bf16 itself (``avx512_bf16`` or ``amx_bf16``); without, vLLM's
-    CPU build emulates it and rounds by the shape of each matmul (``e2e_exact_dtype``)."""
-    try:
-        text = Path(cpuinfo).read_text(errors="replace")
-    except OSError:
-        return True  # not known: keep the model's dtype
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split())
-            return "avx512_bf16" in flags or "amx_bf16" in flags
-    return True
+    """True when the CPU computes bf16 itself (``avx512_bf16`` or ``amx_bf16``), or where that
+    cannot be read; without, vLLM's CPU build emulates it and rounds by the shape of each
+    matmul (``e2e_exact_dtype``)."""
+    flags = cpu_flags(cpuinfo)
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def e2e_exact_dtype(env: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
