@@ -40,6 +40,16 @@ def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
     return [f for f in ISA_FLAGS if f in flags]
 
 
+def server_dtype() -> dict[str, str]:
+    """The ``--dtype`` the launcher gives every server on this machine and why (the model's bf16
+    unless ``KV_PUSH_E2E_DTYPE`` says otherwise or the CPU has AMX): a float32 server on a CPU
+    that emulates bf16 prefills several times faster, which moves every TTFT ratio."""
+    from kv_push.common.testing.vllm_servers import server_dtype as chosen
+
+    dtype, why = chosen()
+    return {"server_dtype": dtype or "model's own", "server_dtype_why": why}
+
+
 def checkout_env(source: str | None, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment in which ``python -m kv_push...`` (run from a cwd that is no checkout)
     imports the ``kv_push`` of checkout ``source`` (None: the installed one), to run an earlier

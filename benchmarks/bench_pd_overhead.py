@@ -64,7 +64,7 @@ from typing import Any
 
 import httpx
 
-from bench_meta import add_python_arg, cpu_isa, source_commit
+from bench_meta import add_python_arg, cpu_isa, server_dtype, source_commit
 from bench_ttft_breakdown import FIRST_FROM_P, log, pct, prompts
 from kv_push.common.testing.sse_lines import asse_lines
 from kv_push.common.testing.vllm_servers import (build_tiny_model, free_port, metric, router,
@@ -195,7 +195,8 @@ def report_md(result: dict) -> str:
              f"{m['requests']} requests per variant, interleaved, back to back (gap "
              f"{m['gap_s']} s); P on core 0, D on core 1, router and client floating; the "
              f"single server alone on core 0 afterwards. {m['cpus']} cores"
-             f"{' (' + ', '.join(m['cpu_isa']) + ')' if m.get('cpu_isa') else ''}; load (1 min) "
+             f"{' (' + ', '.join(m['cpu_isa']) + ')' if m.get('cpu_isa') else ''}; servers' dtype "
+             f"{m.get('server_dtype', '-')}; load (1 min) "
              f"{m['load_before'][0]:.1f} -> {m['load_after'][0]:.1f}. Failed requests: "
              f"{s['failed']}. The router's first tokens (warm-up included): "
              f"{m.get('router_first_token', '-')}.", "",
@@ -330,7 +331,7 @@ def main() -> None:
     result = {"summary": summarize(requests), "requests": requests, "meta": {
         "command": " ".join(["bench_pd_overhead.py", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit(),
-        "host": platform.node(), "cpus": os.cpu_count(), "cpu_isa": cpu_isa(),
+        "host": platform.node(), "cpus": os.cpu_count(), "cpu_isa": cpu_isa(), **server_dtype(),
         "requests": args.requests,
         "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "gap_s": args.gap_s,
         "load_before": load_before, "load_after": os.getloadavg(), "logs": str(work),

@@ -165,9 +165,13 @@ def hop(p_url: str, d_url: str, n: int, gap_s: float = 0.0, prompt_tokens: int =
             out["baseline"] = baseline
         return out
     finally:
-        for proc, _ in routers.values():
-            proc.kill()
-            proc.wait()
+        for proc, _ in routers.values():  # a graceful stop first (a profiler's atexit runs)
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def clients(p_url: str, d_url: str, n: int) -> dict:

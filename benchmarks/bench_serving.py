@@ -68,7 +68,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_meta import add_python_arg, cpu_isa  # noqa: E402
+from bench_meta import add_python_arg, cpu_isa, server_dtype  # noqa: E402
 from serving_client import arrivals, make_prompts, run_closed, run_point, warm_up  # noqa: E402
 from serving_load import RULES, LoadMonitor, judge, pass_load, raw_loadavg  # noqa: E402
 from serving_stats import (CONC1, GOAL_VS_PULL, GOAL_VS_UPSTREAM, OURS, fmt_ratio,  # noqa: E402
@@ -630,7 +630,8 @@ def machine() -> dict:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
     except (OSError, ValueError, IndexError):
         pass
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "cpu_isa": cpu_isa(), "mem_mib": mem,
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "cpu_isa": cpu_isa(), **server_dtype(),
+            "mem_mib": mem,
             "platform": platform.platform(), "python": platform.python_version()}
 
 

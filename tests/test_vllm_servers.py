@@ -104,6 +104,41 @@ def test_a_server_accounts_for_its_whole_process_group(tmp_path):
     assert server.pids() == [] and server.cpu_seconds() == 0
 
 
+def test_a_server_s_ipc_sockets_go_with_it(tmp_path):
+    """vLLM puts its processes' ZMQ ipc sockets in ``VLLM_RPC_BASE_PATH``: each server gets a
+    folder of its own, removed with whatever a killed server left in it, whether it was
+    stopped or killed; a folder the caller chose is left alone."""
+    import os
+    import sys
+    import time
+
+    from kv_push.common.testing.vllm_servers import Server
+
+    child = ("import os, socket, time; s = socket.socket(socket.AF_UNIX); "
+             "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'engine')); "
+             "print('bound', os.environ['VLLM_RPC_BASE_PATH'], flush=True); time.sleep(60)")
+    for end in ("stop", "kill9"):
+        server = Server(end, [sys.executable, "-c", child], {}, 0, tmp_path)
+        deadline = time.monotonic() + 30
+        while "bound" not in server.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        folder = server.log_text().split()[-1]
+        assert os.path.exists(os.path.join(folder, "engine"))  # the socket file is there
+        assert len(os.path.join(folder, "0" * 36)) < 100        # room for vLLM's uuid names
+        getattr(server, end)()
+        assert not os.path.exists(folder), end
+
+    mine = tmp_path / "rpc"
+    mine.mkdir()
+    server = Server("chosen", [sys.executable, "-c", child],
+                    {"VLLM_RPC_BASE_PATH": str(mine)}, 0, tmp_path)
+    deadline = time.monotonic() + 30
+    while "bound" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop()
+    assert mine.is_dir() and os.path.exists(mine / "engine")
+
+
 def test_a_failed_start_reports_the_engines_root_cause(tmp_path):
     """vLLM's API server reports a failed engine core last, in a traceback longer than a plain
     tail ("See root cause above"): ``wait_healthy`` quotes the first error, and the end too."""

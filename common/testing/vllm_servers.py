@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,6 +108,14 @@ class Server:
         # (docs/ttft-breakdown.md).
         group = ({"process_group": 0} if sys.version_info >= (3, 11)
                  else {"preexec_fn": os.setpgrp})
+        # vLLM's processes talk over ZMQ ipc sockets in VLLM_RPC_BASE_PATH (/tmp by default);
+        # a server killed, or one whose engine died, leaves them behind: a suite's worth of
+        # servers left about a thousand in /tmp. Each server gets a folder of its own, removed
+        # when it stops (short: a socket's path must fit in 107 bytes).
+        self._rpc_dir = None
+        if "VLLM_RPC_BASE_PATH" not in env:
+            self._rpc_dir = tempfile.mkdtemp(prefix="kvp-rpc-")
+            env = {**env, "VLLM_RPC_BASE_PATH": self._rpc_dir}
         self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
                                      stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT, **group)
@@ -165,6 +175,12 @@ class Server:
                     print(f"{self.name} (pid {self.proc.pid}) still there after SIGKILL",
                           file=sys.stderr)
         self._log.close()
+        self._remove_rpc_dir()
+
+    def _remove_rpc_dir(self) -> None:
+        if self._rpc_dir is not None and self.proc.poll() is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     def _group_stats(self) -> list[tuple[int, list[str]]]:
         """(pid, ``/proc/<pid>/stat`` fields after the command name) of every live process of
@@ -198,6 +214,7 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait(120)
+        self._remove_rpc_dir()
 
 
 def vllm_server(name: str, *, python: str, model: str, port: int, cpu: int | str, log_dir: Path,
