@@ -78,12 +78,16 @@ def _child(conn, name: str) -> None:
         elif cmd == "drain":
             while got < n and time.monotonic() < deadline:
                 got += len(t.get_notifs())
-        elif cmd == "ping":
+        elif cmd == "ping":  # got: pings answered (a missing answer ends the round)
             for k in range(n):
                 t.send_notif(peer, b"p" * _size(varied, k, 200, 80, 300))
-                while not t.get_notifs() and time.monotonic() < deadline:
-                    pass
-                got += 1
+                while not t.get_notifs():
+                    if time.monotonic() >= deadline:
+                        break
+                else:
+                    got += 1
+                    continue
+                break
         elif cmd == "pong":
             while got < n and time.monotonic() < deadline:
                 for _ in t.get_notifs():
@@ -111,7 +115,9 @@ def run(pattern: str, rounds: int, per_round: int) -> dict:
         ends["B"].send((b_cmd, per_round, varied))
         ends["A"].send((a_cmd, per_round, varied))
         (sent, a_mem), (got, b_mem) = ends["A"].recv(), ends["B"].recv()
-        samples.append({"round": r, "sent": sent, "got": got, "A": a_mem, "B": b_mem})
+        # one way: A sent, B got; request/answer: A's answered pings, B's received ones
+        samples.append({"round": r, "sent": per_round, "got": min(sent, got), "A": a_mem,
+                        "B": b_mem})
     for end in ends.values():
         end.send(("stop", 0, False))
     for proc in procs:
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-round", type=int, default=10000)
     ap.add_argument("--out", type=Path, default=RESULTS / "soak_nixl_notifs.json")
     args = ap.parse_args(argv)
+    started = datetime.now(timezone.utc).isoformat()
     results = []
     for pattern in args.patterns.split(","):
         if pattern not in PATTERNS:
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
               f"B {g['B']['heap_in_use']:+.2f} B; lost {results[-1]['lost']}", flush=True)
     from importlib.metadata import version
 
-    out = {"benchmark": "soak_nixl_notifs", "started": datetime.now(timezone.utc).isoformat(),
+    out = {"benchmark": "soak_nixl_notifs", "started": started,
            "nixl": version("nixl"), "config": {"rounds": args.rounds,
                                                "per_round": args.per_round},
            "results": results}

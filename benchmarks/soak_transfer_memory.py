@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
     P, D = start_pair(p_spec, d_spec, server="soak_transfer_memory:MemoryPeer")
     samples: list[dict] = []
-    failed = 0
+    failed = 0  # transfers without their outcome, or whose source P kept
     outcomes: dict[str, int] = {}
+    traced: dict[str, list[str]] = {}
+    started_at = datetime.now(timezone.utc).isoformat()
     started = time.monotonic()
     try:
         addr = P.call("address")
@@ -169,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             outcomes[kind] = outcomes.get(kind, 0) + 1
             if kind != "received" and not (cancel and kind == "released"):
                 failed += 1
-            P.call("wait_released", [pkey], 5)
+            if P.call("wait_released", [pkey], 5) != [pkey]:
+                failed += 1  # P kept the source
             P.call("drain_released")
         if args.trace:
             for side, peer in (("P", P), ("D", D)):
+                traced[side] = peer.call("trace_growth")
                 print(f"--- {side}: traced growth since transfer {args.warmup}")
-                for line in peer.call("trace_growth"):
-                    print(line)
+                print("\n".join(traced[side]))
         for peer in (P, D):
             peer.call("malloc_trim")
         samples.append({"transfers": args.transfers, "s": round(time.monotonic() - started, 1),
@@ -191,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         xs = [s["transfers"] for s in fitted]
         growth[side] = {key: round(slope(xs, [s[side][key] for s in fitted]), 1)
                         for key in ("rss", "heap_in_use", "arena", "py_blocks")}
+        late = fitted[len(fitted) // 2:]  # flat here where a record levels off (P's, at its TTL)
+        growth[side]["rss_second_half"] = round(slope([s["transfers"] for s in late],
+                                                      [s[side]["rss"] for s in late]), 1)
         growth[side]["rss_after_trim_minus_first_fitted"] = (
             samples[-1][side]["rss"] - fitted[0][side]["rss"]) if fitted else None
-    out = {"benchmark": "soak_transfer_memory", "started": datetime.now(timezone.utc).isoformat(),
+    out = {"benchmark": "soak_transfer_memory", "started": started_at,
            "commit": source_commit(), "cpu_isa": cpu_isa(), "config": {
                k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "geometry": common, "failed": failed, "outcomes": outcomes, "elapsed_s": round(time.monotonic() - started, 1),
+           "geometry": common, "failed": failed, "outcomes": outcomes, "traced_python_growth": traced, "elapsed_s": round(time.monotonic() - started, 1),
            "growth_per_transfer_bytes": growth, "samples": samples}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

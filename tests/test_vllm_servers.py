@@ -107,35 +107,49 @@ def test_a_server_accounts_for_its_whole_process_group(tmp_path):
 def test_a_server_s_ipc_sockets_go_with_it(tmp_path):
     """vLLM puts its processes' ZMQ ipc sockets in ``VLLM_RPC_BASE_PATH``: each server gets a
     folder of its own, removed with whatever a killed server left in it, whether it was
-    stopped or killed; a folder the caller chose is left alone."""
+    stopped or killed, and also when the leader had exited and left a child behind (stopped
+    with it); a folder the caller chose is left alone."""
     import os
     import sys
     import time
 
     from kv_push.common.testing.vllm_servers import Server
 
-    child = ("import os, socket, time; s = socket.socket(socket.AF_UNIX); "
-             "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'engine')); "
-             "print('bound', os.environ['VLLM_RPC_BASE_PATH'], flush=True); time.sleep(60)")
-    for end in ("stop", "kill9"):
-        server = Server(end, [sys.executable, "-c", child], {}, 0, tmp_path)
+    bind = ("import os, socket, time; s = socket.socket(socket.AF_UNIX); "
+            "s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], 'engine')); "
+            "print('bound', os.environ['VLLM_RPC_BASE_PATH'], flush=True); time.sleep(60)")
+    # the leader starts the binding child and exits at once: the child outlives it
+    orphan = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {bind!r}])"
+
+    def bound(server: Server) -> str:
         deadline = time.monotonic() + 30
         while "bound" not in server.log_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-        folder = server.log_text().split()[-1]
-        assert os.path.exists(os.path.join(folder, "engine"))  # the socket file is there
-        assert len(os.path.join(folder, "0" * 36)) < 100        # room for vLLM's uuid names
-        getattr(server, end)()
-        assert not os.path.exists(folder), end
+        assert "bound" in server.log_text(), server.log_text()
+        return server.log_text().split()[-1]
+
+    for end, script in (("stop", bind), ("kill9", bind), ("stop", orphan)):
+        server = Server(end, [sys.executable, "-c", script], {}, 0, tmp_path)
+        try:
+            folder = bound(server)
+            assert os.path.exists(os.path.join(folder, "engine"))  # the socket file is there
+            assert len(os.path.join(folder, "0" * 36)) < 100        # room for vLLM's uuid names
+            if script is orphan:
+                server.proc.wait(30)
+                assert server.pids(), "the child should outlive the leader"
+        finally:
+            getattr(server, end)()
+        assert not os.path.exists(folder), (end, script is orphan)
+        assert server.pids() == []
 
     mine = tmp_path / "rpc"
     mine.mkdir()
-    server = Server("chosen", [sys.executable, "-c", child],
+    server = Server("chosen", [sys.executable, "-c", bind],
                     {"VLLM_RPC_BASE_PATH": str(mine)}, 0, tmp_path)
-    deadline = time.monotonic() + 30
-    while "bound" not in server.log_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    server.stop()
+    try:
+        assert bound(server) == str(mine)
+    finally:
+        server.stop()
     assert mine.is_dir() and os.path.exists(mine / "engine")
 
 

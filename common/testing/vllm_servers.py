@@ -111,14 +111,22 @@ class Server:
         # vLLM's processes talk over ZMQ ipc sockets in VLLM_RPC_BASE_PATH (/tmp by default);
         # a server killed, or one whose engine died, leaves them behind: a suite's worth of
         # servers left about a thousand in /tmp. Each server gets a folder of its own, removed
-        # when it stops (short: a socket's path must fit in 107 bytes).
+        # when it has stopped -- unless the caller or the environment names one. In /tmp, not
+        # $TMPDIR: a socket's path (the folder, '/', a 36-character uuid) must fit in 107 bytes.
         self._rpc_dir = None
-        if "VLLM_RPC_BASE_PATH" not in env:
-            self._rpc_dir = tempfile.mkdtemp(prefix="kvp-rpc-")
+        if "VLLM_RPC_BASE_PATH" not in env and "VLLM_RPC_BASE_PATH" not in os.environ:
+            self._rpc_dir = tempfile.mkdtemp(prefix="kvp-rpc-",
+                                             dir="/tmp" if os.path.isdir("/tmp") else None)
             env = {**env, "VLLM_RPC_BASE_PATH": self._rpc_dir}
-        self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
-                                     stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, **group)
+        try:
+            self.proc = subprocess.Popen(argv, env={**os.environ, "PYTHONSAFEPATH": "1", **env},
+                                         stdin=subprocess.DEVNULL, stdout=self._log,
+                                         stderr=subprocess.STDOUT, **group)
+        except BaseException:
+            self._log.close()
+            if self._rpc_dir is not None:
+                shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            raise
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
@@ -160,25 +168,42 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:  # a big process on a loaded box can take a while to go
-                    self.proc.wait(120)
-                except subprocess.TimeoutExpired:
+        """SIGTERM to the whole process group, SIGKILL after 30 s; also when the leader (the
+        API server) is gone already but processes it started are not (an engine or worker left
+        behind by a crash)."""
+        if self.proc.poll() is None or self.pids():
+            self._signal_group(signal.SIGTERM)
+            if not self._wait_gone(30):
+                self._signal_group(signal.SIGKILL)
+                # a big process on a loaded box can take a while to go
+                if not self._wait_gone(120):
                     print(f"{self.name} (pid {self.proc.pid}) still there after SIGKILL",
                           file=sys.stderr)
         self._log.close()
         self._remove_rpc_dir()
 
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _wait_gone(self, timeout: float) -> bool:
+        """Wait until the leader and every process of its group are gone."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        while self.pids():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _remove_rpc_dir(self) -> None:
-        if self._rpc_dir is not None and self.proc.poll() is not None:
+        """Remove this server's ipc folder once none of its processes is left to use it."""
+        if self._rpc_dir is not None and self.proc.poll() is not None and not self.pids():
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None
 
@@ -209,11 +234,8 @@ class Server:
             "SC_CLK_TCK")
 
     def kill9(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(120)
+        self._signal_group(signal.SIGKILL)
+        self._wait_gone(120)
         self._remove_rpc_dir()
 
 
