@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def source_commit() -> str:
-    """The checkout's short HEAD, with ``+uncommitted changes`` when tracked files differ from
-    it (a run of code no commit holds); ``BENCH_COMMIT`` from the environment outside a git
+    """The checkout's short HEAD, with ``+uncommitted changes`` when tracked files other than
+    ``benchmarks/results`` differ from it (a run of code no commit holds); ``BENCH_COMMIT`` from the environment outside a git
     checkout (a copy on a device machine)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True,
@@ -21,7 +21,9 @@ def source_commit() -> str:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return os.environ.get("BENCH_COMMIT", "")
-    if git("status", "--porcelain", "--untracked-files=no"):
+    # result files written by an earlier run of the same session are not code
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".",
+           ":(exclude)benchmarks/results"):
         commit += "+uncommitted changes"
     return commit
 
