@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def source_commit() -> str:
     """The checkout's short HEAD, with ``+uncommitted changes`` when tracked files other than
-    ``benchmarks/results`` differ from it (a run of code no commit holds); ``BENCH_COMMIT`` from the environment outside a git
-    checkout (a copy on a device machine)."""
+    ``benchmarks/results`` differ from it (a run of code no commit holds); ``BENCH_COMMIT``
+    from the environment outside a git checkout (a copy on a device machine)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True,
                               text=True).stdout.strip()

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         P.close()
         D.close()
 
-    fitted = [s for s in samples if s["transfers"] >= args.warmup and not s.get("after_malloc_trim")]
+    fitted = [s for s in samples
+              if s["transfers"] >= args.warmup and not s.get("after_malloc_trim")]
     growth = {}
     for side in ("P", "D"):
         xs = [s["transfers"] for s in fitted]
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "soak_transfer_memory", "started": started_at,
            "commit": source_commit(), "cpu_isa": cpu_isa(), "config": {
                k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "geometry": common, "failed": failed, "outcomes": outcomes, "traced_python_growth": traced, "elapsed_s": round(time.monotonic() - started, 1),
+           "geometry": common, "failed": failed, "outcomes": outcomes,
+           "traced_python_growth": traced, "elapsed_s": round(time.monotonic() - started, 1),
            "growth_per_transfer_bytes": growth, "samples": samples}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
