@@ -176,6 +176,7 @@ def test_a_failed_start_reports_the_engines_root_cause(tmp_path):
     assert "cannot listen on 0.0.0.0:20001" in message  # the root cause, 200 lines up
     assert "See root cause above" in message            # and the end
     assert "line 100," not in message                   # not the whole log
+    assert server._rpc_dir is None                      # its ipc folder went with it
 
 
 def test_ports_come_from_outside_the_ephemeral_range():

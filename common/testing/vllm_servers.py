@@ -132,6 +132,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._remove_rpc_dir()  # a failed start is not always stopped by its caller
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
                                    f"{self.failure_excerpt()}")
             try:
