@@ -420,10 +420,7 @@ class TestApiServerKilledAlone:
                         extra_config={"rendezvous_ttl_s": TTL})
             up([new])  # it listens on the same side-channel port
         finally:
-            try:
-                os.killpg(old.proc.pid, signal.SIGKILL)  # the orphaned engine and worker
-            except ProcessLookupError:
-                pass
+            old.kill9()  # the orphaned engine and worker (and its ipc folder)
             stop([new] if new is not None else [])
 
 
