@@ -22,7 +22,6 @@ Writes ``benchmarks/results/soak_nixl_notifs.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import sys
@@ -30,22 +29,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import proc_memory  # noqa: E402
+
 PATTERNS = ("oneway-fixed", "oneway-varied", "pingpong-fixed", "pingpong-varied")
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def _reading(libc) -> dict:
-    info = libc.mallinfo2()
-    rss = next(int(line.split()[1]) for line in open("/proc/self/status")
-               if line.startswith("VmRSS:")) * 1024
-    return {"rss": rss, "heap_in_use": info.uordblks + info.hblkhd,
-            "py_blocks": sys.getallocatedblocks()}
 
 
 def _size(varied: bool, k: int, fixed: int, low: int, spread: int) -> int:
@@ -57,8 +45,6 @@ def _child(conn, name: str) -> None:
 
     from kv_push.common.transport import NixlTransport
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
     t = NixlTransport(name=name)
     buf = np.zeros(1 << 20, np.uint8)
     t.register([(buf.ctypes.data, buf.nbytes)], "DRAM", 0)
@@ -93,7 +79,7 @@ def _child(conn, name: str) -> None:
                 for _ in t.get_notifs():
                     got += 1
                     t.send_notif(peer, b"q" * _size(varied, got, 120, 60, 200))
-        conn.send((got, _reading(libc)))
+        conn.send((got, proc_memory.reading()))
     t.close()
 
 

@@ -23,7 +23,6 @@ after ``--warmup`` transfers).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -35,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import proc_memory  # noqa: E402
 from bench_meta import cpu_isa, source_commit  # noqa: E402
 
 from kv_push.common.testing.peer_process import PeerSpec, start_pair  # noqa: E402
@@ -43,36 +43,12 @@ from kv_push.common.testing.peer_server import PeerServer  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-_LIBC: list = []
-
-
-def _libc() -> ctypes.CDLL:
-    """glibc, loaded once (a load per reading would itself show up as growth)."""
-    if not _LIBC:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        _LIBC.append(libc)
-    return _LIBC[0]
-
-
 class MemoryPeer(PeerServer):
     """A ``PeerServer`` that also reports its process's memory."""
 
     def memory_reading(self) -> dict:
-        info = _libc().mallinfo2()
-        rss = 0
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
         described = self.worker.describe()
-        return {"rss": rss, "heap_in_use": info.uordblks + info.hblkhd, "arena": info.arena,
-                "mmapped": info.hblkhd, "py_blocks": sys.getallocatedblocks(),
+        return {**proc_memory.reading(),
                 "kv_push": {k: v for k, v in described.items()
                             if isinstance(v, int) and not isinstance(v, bool)}}
 
@@ -95,7 +71,7 @@ class MemoryPeer(PeerServer):
         return out
 
     def malloc_trim(self) -> None:
-        _libc().malloc_trim(0)
+        proc_memory.malloc_trim()
 
 
 def slope(xs: list[float], ys: list[float]) -> float:

@@ -215,6 +215,7 @@ def test_e2e_signatures_tolerate_rounding_not_other_tokens_or_text():
     ref = Signature(((5, 7), (-5.3968896, None), "ab"))
     near = Signature(((5, 7), (-5.3968896 + LOGPROB_TOLERANCE / 10, None), "ab"))
     assert ref == near and not ref != near and (ref, ref) == (near, near)
+    assert hash(ref) == hash(near) and near in {ref}  # equal ones hash alike
     for other in (((5, 8), (-5.3968896, None), "ab"), ((5, 7), (-5.3968896, None), "aB"),
                   ((5, 7), (-5.3968896 + 2 * LOGPROB_TOLERANCE, None), "ab"),
                   ((5, 7), (-5.3968896, -1.0), "ab"), ((5, 7), (-5.3968896,), "ab")):
